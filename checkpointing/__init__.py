@@ -1,0 +1,1 @@
+"""Asynchronous, atomic, sharded checkpoints on any fsspec storage."""

@@ -1,0 +1,36 @@
+"""Names of every environment variable elastic-run reads or sets.
+
+Kept in one module so that the launcher, the workers and the tests agree on spelling.
+Precedence everywhere is: command-line flag, then environment variable, then default.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+RUN_ID: Final = "ELASTIC_RUN_ID"
+"""The job id (``--job-id``/``--rdzv-id``); namespaces every etcd key of the job."""
+
+ROUND: Final = "ELASTIC_ROUND"
+"""The rendezvous round the current workers were started in (set by the agent)."""
+
+ETCD_ENDPOINTS: Final = "ELASTIC_ETCD_ENDPOINTS"
+"""Comma-separated ``host:port`` list of etcd client endpoints (``--etcd``)."""
+
+ETCD_BINARY: Final = "ELASTIC_ETCD_BINARY"
+"""Path of the etcd binary used by ``--standalone`` and the tests."""
+
+ETCD_USERNAME: Final = "ELASTIC_ETCD_USERNAME"
+ETCD_PASSWORD: Final = "ELASTIC_ETCD_PASSWORD"  # noqa: S105 - a variable name, not a secret
+ETCD_CA_CERT: Final = "ELASTIC_ETCD_CA_CERT"
+ETCD_CERT: Final = "ELASTIC_ETCD_CERT"
+ETCD_KEY: Final = "ELASTIC_ETCD_KEY"
+
+AGENT_PID: Final = "ELASTIC_AGENT_PID"
+"""PID of the node agent that started this worker; workers exit if it dies."""
+
+REQUIRE_ETCD: Final = "ELASTIC_REQUIRE_ETCD"
+"""Tests only: when ``1``, a missing etcd binary fails the etcd tests instead of skipping them."""
+
+LOG_JSON: Final = "ELASTIC_LOG_JSON"
+"""When ``1``, structured event logs are written as JSON lines."""

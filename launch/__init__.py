@@ -1,0 +1,1 @@
+"""The ``elastic-run`` launcher (no public Python API; use the console script)."""
