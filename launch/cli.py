@@ -1,0 +1,318 @@
+"""The ``elastic-run`` command line.
+
+``elastic-run`` accepts every ``torchrun`` flag and ``PET_*`` environment variable (the parser is
+torch's own ``get_args_parser()``, extended), plus:
+
+* ``--min-nodes N`` / ``--max-nodes M``: the two halves of ``--nnodes MIN:MAX``;
+* ``--etcd ENDPOINTS`` (or ``ELASTIC_ETCD_ENDPOINTS``): ``host:port[,host:port...]``, an alias of
+  ``--rdzv-endpoint``;
+* ``--job-id ID`` (or ``ELASTIC_RUN_ID``): an alias of ``--rdzv-id``;
+* ``--standalone``: start an embedded etcd on free loopback ports (killed with the launcher)
+  instead of torch's single-node c10d store;
+* ``--exit-barrier-timeout``, ``--failure-settle-timeout``, ``--etcd-connect-timeout``: see
+  ``--help``.
+
+The rendezvous backend defaults to ``elastic-etcd-v3``. Two more forms:
+
+* ``elastic-run status --job-id ID [--etcd ENDPOINTS]`` prints the job's current round and members;
+* ``elastic-run --serve-etcd [--etcd-binary PATH]`` runs only an embedded etcd until interrupted.
+
+Exit codes: 0 success; 1 the workers failed (restarts used up); 2 bad input; 3 etcd or the
+rendezvous could not be used; 128+N the launcher was stopped by signal N.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import shutil
+import sys
+import uuid
+from collections.abc import Iterator, Sequence
+from typing import Final
+
+from elastic import env
+from elastic.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+EXIT_OK: Final = 0
+EXIT_WORKERS_FAILED: Final = 1
+EXIT_BAD_INPUT: Final = 2
+EXIT_RENDEZVOUS: Final = 3
+
+DEFAULT_BACKEND: Final = "elastic-etcd-v3"
+ETCD_BACKENDS: Final = frozenset({"etcd-v3", "elastic-etcd-v3"})
+PROG: Final = "elastic-run"
+
+
+def _find_action(parser: argparse.ArgumentParser, dest: str) -> argparse.Action:
+    for action in parser._actions:
+        if action.dest == dest:
+            return action
+    raise LookupError(f"torchrun's parser has no option with dest {dest!r}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Return torch's ``torchrun`` parser extended with elastic-run's flags and defaults."""
+    # Imported here: torch.distributed.run pulls in most of torch (about a second).
+    from torch.distributed.argparse_util import env as env_action
+    from torch.distributed.run import get_args_parser
+
+    parser = get_args_parser()
+    parser.prog = PROG
+    parser.description = "Fault-tolerant elastic launcher for PyTorch (a superset of torchrun)."
+
+    backend = _find_action(parser, "rdzv_backend")
+    backend.default = os.environ.get("PET_RDZV_BACKEND", DEFAULT_BACKEND)
+    backend.help = f"Rendezvous backend (default: {DEFAULT_BACKEND}, etcd v3)."
+    standalone = _find_action(parser, "standalone")
+    standalone.help = (
+        "Start an embedded etcd on free loopback ports (killed with this launcher) and use it "
+        "for the rendezvous; for single-machine runs."
+    )
+    monitor = _find_action(parser, "monitor_interval")
+    monitor.default = float(os.environ.get("PET_MONITOR_INTERVAL", "0.1"))
+
+    group = parser.add_argument_group("elastic-run")
+    group.add_argument(
+        "--min-nodes", "--min_nodes", action=env_action, type=int, default=None,
+        help="Minimum number of nodes (the MIN of --nnodes MIN:MAX).",
+    )
+    group.add_argument(
+        "--max-nodes", "--max_nodes", action=env_action, type=int, default=None,
+        help="Maximum number of nodes (the MAX of --nnodes MIN:MAX).",
+    )
+    group.add_argument(
+        "--etcd", "--etcd-endpoints", dest="etcd", type=str,
+        default=os.environ.get(env.ETCD_ENDPOINTS, ""),
+        help=f"etcd endpoints host:port[,host:port...] (env {env.ETCD_ENDPOINTS}); "
+        "same as --rdzv-endpoint.",
+    )
+    group.add_argument(
+        "--job-id", "--job_id", dest="job_id", type=str,
+        default=os.environ.get(env.RUN_ID, ""),
+        help=f"Job id shared by every node of the job (env {env.RUN_ID}); same as --rdzv-id.",
+    )
+    group.add_argument(
+        "--etcd-binary", dest="etcd_binary", type=str, default=os.environ.get(env.ETCD_BINARY),
+        help=f"etcd binary for --standalone (env {env.ETCD_BINARY}; default: etcd on PATH).",
+    )
+    group.add_argument(
+        "--etcd-connect-timeout", dest="etcd_connect_timeout", type=float, default=10.0,
+        help="Seconds to wait for etcd to answer at start before giving up (default 10).",
+    )
+    group.add_argument(
+        "--exit-barrier-timeout", dest="exit_barrier_timeout", type=float, default=120.0,
+        help="Seconds a finished node waits for live peers to finish; dead peers are not "
+        "waited for (default 120).",
+    )
+    group.add_argument(
+        "--failure-settle-timeout", dest="failure_settle_timeout", type=float, default=10.0,
+        help="With no restarts left, seconds to wait after a worker failure for evidence of a "
+        "lost node (which makes it a membership change, not a failure) (default 10).",
+    )
+    return parser
+
+
+def parse_endpoints(text: str) -> list[str]:
+    """Split and validate ``host:port[,host:port...]``; raises ConfigError on bad input."""
+    try:
+        from elastic.etcd import parse_endpoints as parse
+    except ImportError:  # the etcd facade has not landed: use the local rules below
+        parse = None
+    if parse is not None:
+        return [str(e) for e in parse(text)]
+    return _parse_endpoints_locally(text)
+
+
+def _parse_endpoints_locally(text: str) -> list[str]:
+    endpoints = []
+    for raw in text.split(","):
+        item = raw.strip()
+        for scheme in ("http://", "https://"):
+            if item.startswith(scheme):
+                item = item[len(scheme):]
+        host, sep, port = item.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ConfigError(
+                f"etcd endpoint ({raw.strip()!r}) is not host:port; pass --etcd "
+                "host:port[,host:port...]."
+            )
+        endpoints.append(f"{host}:{port}")
+    return endpoints
+
+
+def _resolve_nodes(args: argparse.Namespace) -> None:
+    nnodes = str(args.nnodes)
+    parts = nnodes.split(":")
+    if len(parts) not in (1, 2) or not all(p.strip().isdigit() for p in parts):
+        raise ConfigError(f"--nnodes ({nnodes!r}) is not N or MIN:MAX; pass e.g. --nnodes 2:4.")
+    lo, hi = int(parts[0]), int(parts[-1])
+    min_nodes = lo if args.min_nodes is None else int(args.min_nodes)
+    if args.max_nodes is not None:
+        max_nodes = int(args.max_nodes)
+    elif args.min_nodes is not None:
+        max_nodes = max(hi, min_nodes)
+    else:
+        max_nodes = hi
+    if min_nodes < 1:
+        raise ConfigError(f"--min-nodes ({min_nodes}) must be at least 1.")
+    if min_nodes > max_nodes:
+        raise ConfigError(
+            f"--min-nodes ({min_nodes}) must not exceed --max-nodes ({max_nodes}); "
+            "pass MIN <= MAX."
+        )
+    args.min_nodes, args.max_nodes = min_nodes, max_nodes
+    args.nnodes = f"{min_nodes}:{max_nodes}"
+
+
+def _resolve_rendezvous(args: argparse.Namespace) -> None:
+    if args.etcd and args.rdzv_endpoint and args.etcd != args.rdzv_endpoint:
+        raise ConfigError(
+            f"--etcd ({args.etcd}) and --rdzv-endpoint ({args.rdzv_endpoint}) disagree; "
+            "pass only one of them."
+        )
+    args.rdzv_endpoint = args.rdzv_endpoint or args.etcd
+    if args.job_id and args.rdzv_id not in ("none", "", args.job_id):
+        raise ConfigError(
+            f"--job-id ({args.job_id}) and --rdzv-id ({args.rdzv_id}) disagree; "
+            "pass only one of them."
+        )
+    if args.job_id:
+        args.rdzv_id = args.job_id
+    if args.standalone:
+        args.rdzv_backend = DEFAULT_BACKEND
+        if args.rdzv_id in ("none", ""):
+            args.rdzv_id = f"standalone-{uuid.uuid4().hex[:12]}"
+        return
+    if args.rdzv_backend in ETCD_BACKENDS:
+        if not args.rdzv_endpoint:
+            raise ConfigError(
+                "no etcd endpoint given; pass --etcd host:port, set "
+                f"{env.ETCD_ENDPOINTS}, or use --standalone on a single machine."
+            )
+        args.rdzv_endpoint = ",".join(parse_endpoints(args.rdzv_endpoint))
+        if args.rdzv_id in ("none", ""):
+            logger.warning(
+                "No --job-id given: using %r, which every job without one shares; pass "
+                "--job-id to keep concurrent jobs apart.", "none",
+            )
+            args.rdzv_id = "none"
+
+
+def _check_script(args: argparse.Namespace) -> None:
+    script = args.training_script
+    if args.module:
+        return  # resolved by the worker's own interpreter (its sys.path may differ)
+    if args.no_python:
+        if shutil.which(script) is None:
+            raise ConfigError(
+                f"executable ({script}) not found or not executable; check the path."
+            )
+        return
+    if not os.path.isfile(script):
+        raise ConfigError(f"training script ({script}) does not exist; check the path.")
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    """Parse and validate the command line.
+
+    Raises:
+        ConfigError: a value is invalid (the message is one sentence naming it).
+        SystemExit: argparse's own usage errors and ``--help``.
+    """
+    args = build_parser().parse_args(list(argv))
+    if args.max_restarts < 0:
+        raise ConfigError(f"--max-restarts ({args.max_restarts}) must be at least 0.")
+    if args.monitor_interval <= 0:
+        raise ConfigError(f"--monitor-interval ({args.monitor_interval}) must be positive.")
+    for name in ("etcd_connect_timeout", "exit_barrier_timeout", "failure_settle_timeout"):
+        if getattr(args, name) <= 0:
+            flag = "--" + name.replace("_", "-")
+            raise ConfigError(f"{flag} ({getattr(args, name)}) must be positive.")
+    _resolve_nodes(args)
+    _resolve_rendezvous(args)
+    _check_script(args)
+    return args
+
+
+@contextlib.contextmanager
+def _standalone_etcd(args: argparse.Namespace) -> Iterator[None]:
+    if not args.standalone:
+        yield
+        return
+    from launch.etcd_server import EmbeddedEtcd, find_etcd_binary
+
+    binary = find_etcd_binary(args.etcd_binary)
+    with EmbeddedEtcd(binary=binary) as server:
+        args.rdzv_endpoint = server.endpoint
+        logger.info("Standalone etcd at %s (job id %s).", server.endpoint, args.rdzv_id)
+        yield
+
+
+def _serve_etcd(argv: Sequence[str]) -> int:
+    parser = argparse.ArgumentParser(prog=f"{PROG} --serve-etcd")
+    parser.add_argument("--serve-etcd", action="store_true")
+    parser.add_argument("--etcd-binary", default=os.environ.get(env.ETCD_BINARY))
+    parser.add_argument("--etcd-data-dir", default=None)
+    parser.add_argument("--etcd-host", default="127.0.0.1")
+    parser.add_argument("--etcd-port", type=int, default=0)
+    args = parser.parse_args(list(argv))
+    import threading
+
+    from launch.etcd_server import EmbeddedEtcd, find_etcd_binary
+
+    binary = find_etcd_binary(args.etcd_binary)
+    with EmbeddedEtcd(
+        binary=binary, data_dir=args.etcd_data_dir, host=args.etcd_host,
+        client_port=args.etcd_port,
+    ) as server:
+        print(f"etcd serving at {server.endpoint}; Ctrl-C stops it.", flush=True)
+        with contextlib.suppress(KeyboardInterrupt):
+            threading.Event().wait()
+    return EXIT_OK
+
+
+def _configure_logging() -> None:
+    if not logging.getLogger().handlers:
+        logging.basicConfig(
+            level=os.environ.get("LOGLEVEL", "INFO").upper(),
+            format="[%(asctime)s] %(levelname)s %(name)s: %(message)s",
+        )
+
+
+def _fail(message: str, code: int) -> int:
+    sys.stderr.write(f"{PROG}: error: {message}\n")
+    sys.stderr.flush()
+    return code
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run ``elastic-run`` with ``argv`` (default: ``sys.argv[1:]``) and return its exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    _configure_logging()
+    try:
+        if argv and argv[0] == "status":
+            from launch.status import main as status_main
+
+            return status_main(argv[1:])
+        if "--serve-etcd" in argv:
+            return _serve_etcd(argv)
+        args = parse_args(argv)
+        from launch.runner import run
+
+        with _standalone_etcd(args):
+            return run(args)
+    except ConfigError as exc:
+        return _fail(str(exc), EXIT_BAD_INPUT)
+    except FileNotFoundError as exc:  # e.g. no etcd binary for --standalone
+        return _fail(str(exc), EXIT_BAD_INPUT)
+    except SystemExit as exc:
+        return exc.code if isinstance(exc.code, int) else EXIT_BAD_INPUT
+
+
+if __name__ == "__main__":
+    sys.exit(main())

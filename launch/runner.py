@@ -1,0 +1,204 @@
+"""Turns parsed ``elastic-run`` arguments into a running ``NodeAgent`` and an exit code.
+
+Mirrors ``torch.distributed.launcher.api.launch_agent`` (which hard-codes ``LocalElasticAgent``)
+and reuses torch's own ``config_from_args`` for everything torchrun already knows how to build.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import Any, Final
+
+from elastic.errors import EtcdUnavailableError
+from launch.cli import (
+    ETCD_BACKENDS,
+    EXIT_OK,
+    EXIT_RENDEZVOUS,
+    EXIT_WORKERS_FAILED,
+    PROG,
+)
+
+logger = logging.getLogger(__name__)
+
+GUARD_MODULE: Final = "launch.worker_guard"
+_SHARE_STORE_ENV: Final = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+
+
+def guarded_command(
+    cmd: Callable[..., Any] | str, cmd_args: Sequence[str]
+) -> tuple[Callable[..., Any] | str, list[str]]:
+    """Route a torchrun worker command through ``launch.worker_guard``.
+
+    ``python -u [-m] TARGET ARGS`` becomes ``python -u -m launch.worker_guard [-m] TARGET ARGS``
+    and a ``--no-python`` executable ``X ARGS`` becomes ``python -u -m launch.worker_guard --exec
+    X ARGS``. Function entrypoints (``--run-path``) run inside the agent's own process tree and
+    are returned unchanged.
+    """
+    args = list(cmd_args)
+    if not isinstance(cmd, str):
+        return cmd, args
+    python = os.getenv("PYTHON_EXEC", sys.executable)
+    if cmd == python:
+        if args[:1] == ["-u"]:
+            args = args[1:]
+        return python, ["-u", "-m", GUARD_MODULE, *args]
+    return python, ["-u", "-m", GUARD_MODULE, "--exec", cmd, *args]
+
+
+def check_etcd(endpoints: str, timeout: timedelta) -> None:
+    """Fail fast, naming the endpoints, if no etcd endpoint answers within ``timeout``.
+
+    Raises:
+        EtcdUnavailableError: no endpoint answered in time.
+    """
+    from launch.etcd_probe import probe
+
+    probe(endpoints, timeout)
+
+
+def _log_config(
+    args: argparse.Namespace, config: Any, entrypoint: Any, cmd_args: list[str]
+) -> None:
+    rows = {
+        "script": args.training_script,
+        "nodes (min:max)": f"{config.min_nodes}:{config.max_nodes}",
+        "nproc_per_node": config.nproc_per_node,
+        "job id": config.run_id,
+        "rdzv backend": config.rdzv_backend,
+        "rdzv endpoint": config.rdzv_endpoint,
+        "rdzv conf": config.rdzv_configs,
+        "max_restarts (crashes only)": config.max_restarts,
+        "monitor_interval": config.monitor_interval,
+        "exit_barrier_timeout": args.exit_barrier_timeout,
+        "failure_settle_timeout": args.failure_settle_timeout,
+        "shutdown_timeout": config.shutdown_timeout,
+        "worker command": " ".join(str(a) for a in [entrypoint, *cmd_args]),
+    }
+    width = max(len(k) for k in rows)
+    table = "\n".join(f"  {k:<{width}} : {v}" for k, v in rows.items())
+    logger.info("%s effective configuration:\n%s", PROG, table)
+
+
+def _fail(message: str, code: int) -> int:
+    sys.stderr.write(f"{PROG}: error: {message}\n")
+    sys.stderr.flush()
+    return code
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the node agent described by validated ``args``; return the process exit code."""
+    from torch.distributed.elastic import events, metrics
+    from torch.distributed.elastic.agent.server.api import WorkerSpec
+    from torch.distributed.elastic.multiprocessing import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+    from torch.distributed.elastic.rendezvous import registry as rdzv_registry
+    from torch.distributed.elastic.rendezvous.api import (
+        RendezvousConnectionError,
+        RendezvousError,
+    )
+    from torch.distributed.run import config_from_args
+
+    from launch.agent import NodeAgent
+
+    # pytorch#135712: a TCPStore shared across rounds hands new workers a dead worker's address.
+    # Without sharing, the rank-0 worker hosts a fresh store each round (port agreed via etcd).
+    if os.environ.get(_SHARE_STORE_ENV) == "0":
+        logger.warning("Ignoring %s=0: a shared agent store hangs restarts.", _SHARE_STORE_ENV)
+    os.environ[_SHARE_STORE_ENV] = "1"
+    os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+
+    is_etcd = args.rdzv_backend in ETCD_BACKENDS
+    if is_etcd:
+        try:
+            check_etcd(args.rdzv_endpoint, timedelta(seconds=args.etcd_connect_timeout))
+        except EtcdUnavailableError as exc:
+            return _fail(str(exc), EXIT_RENDEZVOUS)
+
+    config, cmd, cmd_args = config_from_args(args)
+    entrypoint, worker_args = guarded_command(cmd, cmd_args)
+    _log_config(args, config, entrypoint, worker_args)
+
+    params = RendezvousParameters(
+        backend=config.rdzv_backend,
+        endpoint=config.rdzv_endpoint,
+        run_id=config.run_id,
+        min_nodes=config.min_nodes,
+        max_nodes=config.max_nodes,
+        local_addr=config.local_addr,
+        **config.rdzv_configs,
+    )
+    os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = config.signals_to_handle
+    try:
+        handler = rdzv_registry.get_rendezvous_handler(params)
+    except (RendezvousError, ValueError, RuntimeError) as exc:
+        return _fail(f"could not set up the rendezvous ({exc})", EXIT_RENDEZVOUS)
+
+    spec = WorkerSpec(
+        role=config.role,
+        local_world_size=config.nproc_per_node,
+        entrypoint=entrypoint,
+        args=tuple(worker_args),
+        rdzv_handler=handler,
+        max_restarts=config.max_restarts,
+        monitor_interval=config.monitor_interval,
+        local_addr=config.local_addr,
+        event_log_handler=config.event_log_handler,
+        numa_options=config.numa_options,
+        duplicate_stdout_filters=config.duplicate_stdout_filters,
+        duplicate_stderr_filters=config.duplicate_stderr_filters,
+        virtual_local_rank=config.virtual_local_rank,
+    )
+    agent = NodeAgent(
+        spec,
+        config.logs_specs,  # type: ignore[arg-type]
+        start_method=config.start_method,
+        exit_barrier_timeout=args.exit_barrier_timeout,
+        log_line_prefix_template=config.log_line_prefix_template,
+        shutdown_timeout=int(config.shutdown_timeout or 30),
+        failure_settle_timeout=args.failure_settle_timeout,
+        etcd_endpoints=config.rdzv_endpoint if is_etcd else None,
+    )
+
+    shutdown_rdzv = True
+    started = time.monotonic()
+    try:
+        metrics.initialize_metrics(metrics.api.MetricsConfig(config.metrics_cfg))
+        result = agent.run()
+        events.record(agent.get_event_succeeded(), config.event_log_handler)
+        if result.is_failed():
+            msg = ChildFailedError(name=args.training_script, failures=result.failures)
+            sys.stderr.write(str(msg.format_msg()) + "\n")  # type: ignore[no-untyped-call]
+            return _fail(
+                f"the workers failed and no restarts are left (--max-restarts "
+                f"{config.max_restarts}; {agent.membership_restarts} membership changes were "
+                "not charged).",
+                EXIT_WORKERS_FAILED,
+            )
+        logger.info(
+            "Workers finished after %.1f s (%s membership changes, %s restarts left).",
+            time.monotonic() - started, agent.membership_restarts, agent.remaining_restarts,
+        )
+        return EXIT_OK
+    except SignalException as exc:
+        # As torch: leave the rendezvous open so the other nodes can go on without this one.
+        shutdown_rdzv = False
+        events.record(agent.get_event_failed(), config.event_log_handler)
+        return 128 + int(exc.sigval)
+    except (RendezvousError, EtcdUnavailableError) as exc:
+        # Closing the rendezvous needs the etcd that just failed us: don't wait on it again.
+        shutdown_rdzv = not isinstance(exc, (RendezvousConnectionError, EtcdUnavailableError))
+        events.record(agent.get_event_failed(), config.event_log_handler)
+        return _fail(f"the rendezvous failed ({type(exc).__name__}: {exc})", EXIT_RENDEZVOUS)
+    finally:
+        if shutdown_rdzv:
+            try:
+                handler.shutdown()
+            except Exception:  # the job's outcome is already decided; report, don't mask it
+                logger.warning("Could not close the rendezvous cleanly.", exc_info=True)
