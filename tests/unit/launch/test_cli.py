@@ -1,0 +1,132 @@
+"""Parsing and validation of the elastic-run command line (no processes, no etcd)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from elastic.errors import ConfigError
+from launch import cli
+from launch.runner import guarded_command
+
+
+@pytest.fixture
+def script(tmp_path: Path) -> str:
+    path = tmp_path / "train.py"
+    path.write_text("print('hi')\n")
+    return str(path)
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("ELASTIC_ETCD_ENDPOINTS", "ELASTIC_RUN_ID", "PET_RDZV_BACKEND", "PET_NNODES",
+                 "PET_MIN_NODES", "PET_MAX_NODES", "PET_RDZV_ENDPOINT", "PET_RDZV_ID"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def test_our_flags_map_onto_torchrun_rendezvous_settings(script: str) -> None:
+    args = cli.parse_args(["--min-nodes", "2", "--max-nodes", "3", "--nproc-per-node", "1",
+                           "--etcd", "127.0.0.1:2379", "--job-id", "j1", script, "--lr", "1"])
+    assert args.nnodes == "2:3"
+    assert args.rdzv_backend == "elastic-etcd-v3"
+    assert args.rdzv_endpoint == "127.0.0.1:2379"
+    assert args.rdzv_id == "j1"
+    assert args.training_script == script
+    assert args.training_script_args == ["--lr", "1"]
+
+
+def test_torchrun_flags_still_work(script: str) -> None:
+    args = cli.parse_args(["--nnodes", "1:4", "--rdzv-backend", "etcd-v3", "--rdzv-endpoint",
+                           "h1:2379,h2:2379", "--rdzv-id", "x", "--max-restarts", "5", script])
+    assert (args.min_nodes, args.max_nodes) == (1, 4)
+    assert args.rdzv_endpoint == "h1:2379,h2:2379"
+    assert args.rdzv_id == "x"
+    assert args.max_restarts == 5
+
+
+def test_min_nodes_alone_raises_max_to_match(script: str) -> None:
+    args = cli.parse_args(["--min-nodes", "3", "--etcd", "h:1", script])
+    assert args.nnodes == "3:3"
+
+
+def test_endpoints_come_from_the_environment(
+    script: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("ELASTIC_ETCD_ENDPOINTS", "10.0.0.1:2379")
+    monkeypatch.setenv("ELASTIC_RUN_ID", "from-env")
+    args = cli.parse_args([script])
+    assert args.rdzv_endpoint == "10.0.0.1:2379"
+    assert args.rdzv_id == "from-env"
+
+
+def test_pet_variables_override_our_defaults(script: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PET_RDZV_BACKEND", "c10d")
+    monkeypatch.setenv("PET_NNODES", "2:5")
+    args = cli.parse_args(["--rdzv-endpoint", "127.0.0.1:29400", script])
+    assert args.rdzv_backend == "c10d"
+    assert args.nnodes == "2:5"
+
+
+def test_standalone_uses_our_backend_and_a_fresh_job_id(script: str) -> None:
+    args = cli.parse_args(["--standalone", "--nproc-per-node", "2", script])
+    assert args.rdzv_backend == "elastic-etcd-v3"
+    assert args.rdzv_id.startswith("standalone-")
+
+
+@pytest.mark.parametrize(
+    ("argv", "pattern"),
+    [
+        (
+            ["--min-nodes", "3", "--max-nodes", "2"],
+            r"--min-nodes \(3\) must not exceed --max-nodes \(2\)",
+        ),
+        (["--nnodes", "two"], r"--nnodes \('two'\) is not N or MIN:MAX"),
+        (["--etcd", "localhost"], r"etcd endpoint \('localhost'\) is not host:port"),
+        (["--etcd", "h:99999"], r"etcd endpoint \('h:99999'\) is not host:port"),
+        ([], r"no etcd endpoint given"),
+        (["--etcd", "a:1", "--rdzv-endpoint", "b:1"], r"--etcd \(a:1\) and --rdzv-endpoint"),
+        (["--etcd", "a:1", "--max-restarts", "-1"], r"--max-restarts \(-1\) must be at least 0"),
+    ],
+)
+def test_bad_input_is_one_sentence_naming_the_value(
+    script: str, argv: list[str], pattern: str
+) -> None:
+    with pytest.raises(ConfigError, match=pattern) as info:
+        cli.parse_args([*argv, script])
+    assert str(info.value).count(". ") == 0 and str(info.value).endswith(".")
+
+
+def test_missing_script_is_reported_by_path(tmp_path: Path) -> None:
+    missing = str(tmp_path / "nope.py")
+    with pytest.raises(ConfigError, match=re.escape(f"training script ({missing}) does not exist")):
+        cli.parse_args(["--etcd", "h:1", missing])
+
+
+def test_main_returns_2_and_prints_the_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = cli.main(["--min-nodes", "3", "--max-nodes", "2", "--etcd", "h:1", str(tmp_path)])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert re.search(r"^elastic-run: error: --min-nodes \(3\) must not exceed", err, re.M)
+
+
+def test_python_scripts_run_under_the_worker_guard() -> None:
+    import sys
+
+    cmd, args = guarded_command(sys.executable, ["-u", "train.py", "--x"])
+    assert cmd == sys.executable
+    assert args[:3] == ["-u", "-m", "launch.worker_guard"]
+    assert args[3:] == ["train.py", "--x"]
+
+
+def test_modules_and_executables_run_under_the_worker_guard() -> None:
+    import sys
+
+    _, margs = guarded_command(sys.executable, ["-u", "-m", "pkg.train"])
+    assert margs == ["-u", "-m", "launch.worker_guard", "-m", "pkg.train"]
+    cmd, xargs = guarded_command("/bin/trainer", ["--a"])
+    assert cmd == sys.executable
+    assert xargs == ["-u", "-m", "launch.worker_guard", "--exec", "/bin/trainer", "--a"]
