@@ -2,8 +2,9 @@
 
 Every step it all-reduces a tensor over gloo, appends ``rank,world,round,step,pid`` to ``--out``
 and (rank 0) writes the step to ``--ckpt`` atomically, so a restarted round resumes after the
-last completed step. Optional faults: ``--crash-at-step`` (rank 0 of the first round only, via
-a marker file) and ``--linger-rank/--linger-s`` (one rank stays alive after the last step).
+last completed step. ``--stop-file`` ends the run cleanly on every rank. Optional faults:
+``--crash-at-step`` (rank 0 of the first round only, via a marker file) and
+``--linger-rank/--linger-s`` (one rank stays alive after the last step).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ def main() -> int:
     p.add_argument("--crash-at-step", type=int, default=-1)
     p.add_argument("--linger-rank", type=int, default=-1)
     p.add_argument("--linger-s", type=float, default=0.0)
+    p.add_argument("--stop-file", default=None, help="all ranks stop once this file exists")
     a = p.parse_args()
 
     dist.init_process_group("gloo", timeout=timedelta(seconds=30))
@@ -49,10 +51,13 @@ def main() -> int:
     rnd = os.environ.get("ELASTIC_ROUND", "?")
     step = _read_step(a.ckpt)
     while step < a.steps:
-        t = torch.ones(1)
+        stop = 1.0 if a.stop_file and os.path.exists(a.stop_file) else 0.0
+        t = torch.tensor([1.0, stop])
         dist.all_reduce(t)
-        if int(t.item()) != world:
-            raise RuntimeError(f"all_reduce gave {t.item()} for world {world}")
+        if int(t[0].item()) != world:
+            raise RuntimeError(f"all_reduce gave {t[0].item()} for world {world}")
+        if t[1].item() > 0:
+            break
         step += 1
         with open(a.out, "a") as f:
             f.write(f"{rank},{world},{rnd},{step},{os.getpid()}\n")

@@ -1,0 +1,199 @@
+"""Helpers for the launcher integration tests: real ``elastic-run`` agents in their own sessions.
+
+Every agent is a ``python -m launch`` subprocess started with ``start_new_session=True``; it is
+killed by pid (the agent alone) or as a tree (the agent plus its workers, which torch starts in
+sessions of their own). ``Cluster`` kills whatever is left when the test ends.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[3]
+WORKER = Path(__file__).with_name("allreduce_worker.py")
+
+# Short rendezvous timeouts keep the suite fast on 2 cores; every key is a torch dynamic
+# rendezvous key or one of our backend's documented keys.
+FAST_RDZV_CONF = (
+    "join_timeout=90,last_call_timeout=1,close_timeout=10,heartbeat_timeout=5,"
+    "keep_alive_interval=1,keep_alive_max_attempt=3"
+)
+
+
+@dataclass(frozen=True)
+class Step:
+    rank: int
+    world: int
+    round: str
+    step: int
+    pid: int
+
+
+def read_steps(path: Path) -> list[Step]:
+    """Parse the ``rank,world,round,step,pid`` lines the workers appended."""
+    rows = []
+    if path.exists():
+        for line in path.read_text().splitlines():
+            parts = line.split(",")
+            if len(parts) == 5 and all(p.strip() for p in parts):
+                try:
+                    rows.append(Step(int(parts[0]), int(parts[1]), parts[2], int(parts[3]),
+                                     int(parts[4])))
+                except ValueError:
+                    continue  # a line being written right now
+    return rows
+
+
+def wait_until(pred: Callable[[], bool], timeout: float, what: str) -> None:
+    """Poll ``pred`` until true; fail the test naming ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+def children(pid: int) -> list[int]:
+    """Direct children of ``pid`` (from /proc; empty if it is gone)."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(p) for p in f.read().split()]
+    except (FileNotFoundError, ProcessLookupError):
+        return []
+
+
+def tree(pid: int) -> list[int]:
+    """``pid`` and all its descendants."""
+    out = [pid]
+    for child in children(pid):
+        out.extend(tree(child))
+    return out
+
+
+def alive(pid: int) -> bool:
+    """True if ``pid`` runs and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+def kill(pids: list[int], sig: signal.Signals = signal.SIGKILL) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+class Agent:
+    """One ``elastic-run`` (or torchrun) agent process."""
+
+    def __init__(self, argv: list[str], log: Path, env: dict[str, str]) -> None:
+        self.log = log
+        self._log_file = open(log, "wb")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(argv, stdout=self._log_file, stderr=subprocess.STDOUT,
+                                     env=env, cwd=REPO, start_new_session=True)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def worker_pids(self) -> list[int]:
+        return children(self.pid)
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def wait(self, timeout: float) -> int:
+        """Wait for the agent to exit; fail the test (and kill it) after ``timeout``."""
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill_tree()
+            raise AssertionError(
+                f"agent {self.pid} still running after {timeout:.0f} s; log tail:\n"
+                + self.output()[-3000:]
+            ) from None
+
+    def kill_tree(self) -> None:
+        kill(tree(self.pid))
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.kill_tree()
+        self._log_file.close()
+
+
+class Cluster:
+    """Agents of one job sharing one etcd; tracks and cleans up every process it starts."""
+
+    def __init__(self, tmp: Path, endpoint: str, job_id: str) -> None:
+        self.tmp = tmp
+        self.endpoint = endpoint
+        self.job_id = job_id
+        self.out = tmp / "steps.csv"
+        self.ckpt = tmp / "step.txt"
+        self.agents: list[Agent] = []
+        self.env = dict(os.environ, OMP_NUM_THREADS="1", LOGLEVEL="INFO")
+        self.env["PYTHONPATH"] = os.pathsep.join(
+            filter(None, [str(REPO), os.environ.get("PYTHONPATH")])
+        )
+
+    def worker_args(self, *extra: str, steps: int = 60, step_time: float = 0.1) -> list[str]:
+        return [str(WORKER), "--out", str(self.out), "--ckpt", str(self.ckpt), "--steps",
+                str(steps), "--step-time", str(step_time), *extra]
+
+    def start(self, launcher_args: list[str], worker_args: list[str],
+              launcher: list[str] | None = None) -> Agent:
+        argv = [*(launcher or [sys.executable, "-m", "launch"]), *launcher_args, *worker_args]
+        agent = Agent(argv, self.tmp / f"agent{len(self.agents)}.log", self.env)
+        self.agents.append(agent)
+        return agent
+
+    def start_elastic(self, *flags: str, worker_args: list[str]) -> Agent:
+        return self.start(
+            ["--etcd", self.endpoint, "--job-id", self.job_id, "--nproc-per-node", "1",
+             "--rdzv-conf", FAST_RDZV_CONF, "--monitor-interval", "0.1", *flags],
+            worker_args,
+        )
+
+    def steps(self) -> list[Step]:
+        return read_steps(self.out)
+
+    def agent_of_pid(self, pid: int) -> Agent:
+        for agent in self.agents:
+            if pid in agent.worker_pids():
+                return agent
+        raise AssertionError(f"no agent owns worker pid {pid}")
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {a.log.name}\n{a.output()[-4000:]}" for a in self.agents)
+
+    def stop(self) -> None:
+        for agent in self.agents:
+            agent.stop()
+
+
+@contextmanager
+def cluster(tmp: Path, endpoint: str, job_id: str) -> Iterator[Cluster]:
+    """A ``Cluster`` that kills every agent and worker it started when the block ends."""
+    c = Cluster(tmp, endpoint, job_id)
+    try:
+        yield c
+    finally:
+        c.stop()

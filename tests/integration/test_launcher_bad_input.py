@@ -1,0 +1,68 @@
+"""Acceptance 5 end to end: bad input gets one sentence, a non-zero exit, and no hang."""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.integration.launcher_scripts.harness import REPO, WORKER
+
+
+def _elastic_run(*argv: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    env.pop("ELASTIC_ETCD_ENDPOINTS", None)
+    return subprocess.run([sys.executable, "-m", "launch", *argv], capture_output=True,
+                          text=True, timeout=timeout, env=env, cwd=REPO)
+
+
+def _error_line(proc: subprocess.CompletedProcess[str]) -> str:
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("elastic-run: error: ")]
+    assert len(lines) == 1, proc.stderr
+    return lines[0].removeprefix("elastic-run: error: ")
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_min_nodes_above_max_nodes_is_rejected() -> None:
+    proc = _elastic_run("--min-nodes", "3", "--max-nodes", "2", "--etcd", "127.0.0.1:2379",
+                        str(WORKER))
+    assert proc.returncode == 2
+    assert re.fullmatch(r"--min-nodes \(3\) must not exceed --max-nodes \(2\); .*\.",
+                        _error_line(proc))
+
+
+def test_unparsable_endpoint_is_rejected() -> None:
+    proc = _elastic_run("--etcd", "http//nohost", str(WORKER))
+    assert proc.returncode == 2
+    assert "http//nohost" in _error_line(proc)
+
+
+def test_missing_script_is_rejected(tmp_path: Path) -> None:
+    missing = tmp_path / "no_such_train.py"
+    proc = _elastic_run("--etcd", "127.0.0.1:2379", str(missing))
+    assert proc.returncode == 2
+    assert _error_line(proc) == (
+        f"training script ({missing}) does not exist; check the path."
+    )
+
+
+@pytest.mark.etcd
+def test_unreachable_etcd_fails_within_the_deadline_naming_the_endpoints() -> None:
+    endpoint = f"127.0.0.1:{_closed_port()}"
+    proc = _elastic_run("--etcd", endpoint, "--etcd-connect-timeout", "2", "--job-id", "x",
+                        str(WORKER), "--out", "/dev/null", "--ckpt", "/dev/null", timeout=60)
+    assert proc.returncode == 3
+    message = _error_line(proc)
+    assert endpoint in message
+    assert message.startswith("no etcd answered at")

@@ -1,0 +1,67 @@
+"""Acceptance 4 (launcher side): etcd restarts are ridden out; a long outage stops the job."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.integration.launcher_scripts.harness import cluster, wait_until
+
+pytestmark = [pytest.mark.etcd, pytest.mark.slow]
+
+
+@pytest.fixture
+def own_etcd(tmp_path: Path) -> Iterator[object]:
+    """An etcd of this test alone (it gets killed), with a data dir that survives restarts."""
+    from launch.etcd_server import EmbeddedEtcd, find_etcd_binary
+
+    try:
+        binary = find_etcd_binary()
+    except FileNotFoundError as exc:
+        pytest.skip(str(exc))
+    server = EmbeddedEtcd(binary=binary, data_dir=str(tmp_path / "etcd-data"))
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def test_training_goes_on_when_etcd_is_killed_and_restarted(
+    tmp_path: Path, own_etcd: object
+) -> None:
+    server = own_etcd
+    stop = tmp_path / "stop"
+    with cluster(tmp_path, server.endpoint, f"outage-{uuid.uuid4().hex[:8]}") as c:  # type: ignore[attr-defined]
+        wargs = c.worker_args("--stop-file", str(stop), steps=100_000)
+        agents = [c.start_elastic("--nnodes", "2", "--max-restarts", "0", worker_args=wargs)
+                  for _ in range(2)]
+        wait_until(lambda: any(s.world == 2 for s in c.steps()), 90, "a world of 2")
+        server.kill()  # type: ignore[attr-defined]
+        time.sleep(2)
+        server.restart()  # type: ignore[attr-defined]
+        n = len(c.steps())
+        wait_until(lambda: len(c.steps()) >= n + 20, 60, "training to go on after the restart")
+        stop.touch()
+        assert [a.wait(60) for a in agents] == [0, 0], c.logs()
+
+
+def test_etcd_down_past_the_deadline_stops_the_job_naming_the_endpoints(
+    tmp_path: Path, own_etcd: object
+) -> None:
+    server = own_etcd
+    endpoint = server.endpoint  # type: ignore[attr-defined]
+    with cluster(tmp_path, endpoint, f"outage-{uuid.uuid4().hex[:8]}") as c:
+        wargs = c.worker_args(steps=100_000)
+        agents = [c.start_elastic("--nnodes", "1:2", "--max-restarts", "0", worker_args=wargs)
+                  for _ in range(2)]
+        wait_until(lambda: any(s.world == 2 for s in c.steps()), 90, "a world of 2")
+        server.kill()  # type: ignore[attr-defined]
+        codes = [a.wait(90) for a in agents]
+        assert all(code == 3 for code in codes), c.logs()
+        for agent in agents:
+            assert endpoint in agent.output().split("elastic-run: error:")[-1], c.logs()
