@@ -23,6 +23,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -142,10 +143,8 @@ def _tree(pid: int) -> list[int]:
 
 def _kill(pids: list[int]) -> None:
     for pid in pids:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
 
 def _agent_cmd(launcher: str, endpoint: str, run_id: str, out: Path, ckpt: Path,
@@ -227,10 +226,8 @@ def one_run(launcher: str, etcd_endpoint: str | None, hang_timeout: float, workd
         for agent in agents:
             _kill(_tree(agent.pid))
         for agent in agents:
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 agent.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                pass
         for f in logs:
             f.close()
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import uuid
 from pathlib import Path
 from typing import Any
@@ -58,7 +59,7 @@ def test_lost_and_joining_nodes_do_not_consume_restarts(
         steps = [s.step for s in c.steps() if s.rank == 0]
         # Each round resumes from the last checkpointed step: no step goes backwards by more
         # than the one in flight when the node was lost.
-        assert all(later >= earlier - 1 for earlier, later in zip(steps, steps[1:], strict=False))
+        assert all(later >= earlier - 1 for earlier, later in itertools.pairwise(steps))
 
 
 def test_worker_crash_with_no_restarts_left_fails_the_job(

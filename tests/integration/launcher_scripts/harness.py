@@ -13,7 +13,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -90,10 +90,8 @@ def alive(pid: int) -> bool:
 
 def kill(pids: list[int], sig: signal.Signals = signal.SIGKILL) -> None:
     for pid in pids:
-        try:
+        with suppress(ProcessLookupError):
             os.kill(pid, sig)
-        except ProcessLookupError:
-            pass
 
 
 class Agent:
@@ -128,10 +126,8 @@ class Agent:
 
     def kill_tree(self) -> None:
         kill(tree(self.pid))
-        try:
+        with suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            pass
 
     def stop(self) -> None:
         if self.proc.poll() is None:
