@@ -9,8 +9,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 from tests.integration.launcher_scripts.harness import REPO, WORKER
 
 
@@ -57,7 +55,6 @@ def test_missing_script_is_rejected(tmp_path: Path) -> None:
     )
 
 
-@pytest.mark.etcd
 def test_unreachable_etcd_fails_within_the_deadline_naming_the_endpoints() -> None:
     endpoint = f"127.0.0.1:{_closed_port()}"
     proc = _elastic_run("--etcd", endpoint, "--etcd-connect-timeout", "2", "--job-id", "x",

@@ -82,7 +82,7 @@ def test_killing_an_agent_kills_its_workers_and_the_others_go_on(
     stop = tmp_path / "stop"
     with cluster(tmp_path, etcd_server.endpoint, _job()) as c:
         wargs = c.worker_args("--stop-file", str(stop), steps=100_000)
-        flags = ("--nnodes", "1:2", "--max-restarts", "0")
+        flags = ("--nnodes", "1:2", "--max-restarts", "3")
         survivor, victim = (c.start_elastic(*flags, worker_args=wargs) for _ in range(2))
         wait_until(lambda: any(s.world == 2 for s in c.steps()), 90, "a world of 2")
         orphans = victim.worker_pids()
