@@ -26,6 +26,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import statistics
@@ -93,6 +94,30 @@ class Run:
     launcher: str
     times: dict[str, float] = field(default_factory=dict)
     hung: list[str] = field(default_factory=list)
+    # Per recovery phase: seconds from the kill until the survivor's agent started new workers
+    # (failure detection + rendezvous); the rest of the recovery is process start + init.
+    to_workers_started: dict[str, float] = field(default_factory=dict)
+
+
+_TORCH_LOG = re.compile(r"^[IWE](\d{4}) (\d\d):(\d\d):(\d\d\.\d+) ")
+_STARTING = "Starting worker group"
+
+
+def _started_after(log: Path, after: float) -> float | None:
+    """Wall time of the first "Starting worker group" line (torch's agent log) after ``after``."""
+    if not log.exists():
+        return None
+    for line in log.read_text(errors="replace").splitlines():
+        m = _TORCH_LOG.match(line)
+        if not m or _STARTING not in line:
+            continue
+        lt = time.localtime(after)
+        month, day = int(m.group(1)[:2]), int(m.group(1)[2:])
+        base = time.mktime((lt.tm_year, month, day, 0, 0, 0, 0, 0, -1))
+        t = base + int(m.group(2)) * 3600 + int(m.group(3)) * 60 + float(m.group(4))
+        if t > after:
+            return t
+    return None
 
 
 def _free_port() -> int:
@@ -164,7 +189,7 @@ def one_run(launcher: str, etcd_endpoint: str | None, hang_timeout: float, workd
             index: int) -> Run:
     run = Run(launcher)
     out, ckpt = workdir / f"{launcher}-{index}.log", workdir / f"{launcher}-{index}.pt"
-    env = dict(os.environ, OMP_NUM_THREADS="1", LOGLEVEL="WARNING")
+    env = dict(os.environ, OMP_NUM_THREADS="1", LOGLEVEL="INFO")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     if launcher == "torchrun-noshare":
         env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
@@ -205,6 +230,9 @@ def one_run(launcher: str, etcd_endpoint: str | None, hang_timeout: float, workd
             run.hung.append("worker_kill")
             return run
         run.times["worker_kill"] = rec[0] - t_kill
+        started = _started_after(workdir / f"{launcher}-{index}-agent0.txt", t_kill)
+        if started is not None:
+            run.to_workers_started["worker_kill"] = started - t_kill
         settled = _wait_for(
             out, lambda r: r[0] > rec[0] + 2 and r[4] not in old_pids and r[2] == 2, hang_timeout
         )
@@ -221,6 +249,9 @@ def one_run(launcher: str, etcd_endpoint: str | None, hang_timeout: float, workd
             run.hung.append("node_loss")
             return run
         run.times["node_loss"] = rec[0] - t_kill
+        started = _started_after(workdir / f"{launcher}-{index}-agent0.txt", t_kill)
+        if started is not None:
+            run.to_workers_started["node_loss"] = started - t_kill
         return run
     finally:
         for agent in agents:
@@ -264,6 +295,15 @@ def report(runs: list[Run], launchers: list[str]) -> str:
         detail = ", ".join(sorted({p for r in mine for p in r.hung}))
         lines.append(f"| {name} | {len(mine)} | {' | '.join(cells)} | {hangs}"
                      f"{f' ({detail})' if detail else ''} |")
+    lines.append("")
+    lines.append("| launcher | worker SIGKILL: kill -> new workers started | node loss: kill -> "
+                 "new workers started |")
+    lines.append("|---|---|---|")
+    for name in launchers:
+        mine = [r for r in runs if r.launcher == name]
+        cells = [_median([r.to_workers_started[p] for r in mine if p in r.to_workers_started])
+                 for p in ("worker_kill", "node_loss")]
+        lines.append(f"| {name} | {cells[0]} | {cells[1]} |")
     base = med.get("torchrun-default", {})
     ours = med.get("elastic-run", {})
     ratios = [f"{p}: {base[p] / ours[p]:.1f}x" for p in PHASES if p in base and p in ours
