@@ -149,7 +149,9 @@ def _resolve_nodes(args: argparse.Namespace) -> None:
     nnodes = str(args.nnodes)
     parts = nnodes.split(":")
     if len(parts) not in (1, 2) or not all(p.strip().isdigit() for p in parts):
-        raise ConfigError(f"--nnodes ({nnodes!r}) is not N or MIN:MAX; pass for example --nnodes 2:4.")
+        raise ConfigError(
+            f"--nnodes ({nnodes!r}) is not N or MIN:MAX; pass for example --nnodes 2:4."
+        )
     lo, hi = int(parts[0]), int(parts[-1])
     min_nodes = lo if args.min_nodes is None else int(args.min_nodes)
     if args.max_nodes is not None:

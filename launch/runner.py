@@ -140,6 +140,12 @@ def run(args: argparse.Namespace) -> int:
     except (RendezvousError, ValueError, RuntimeError) as exc:
         return _fail(f"could not set up the rendezvous ({exc})", EXIT_RENDEZVOUS)
 
+    if handler.use_agent_store:
+        logger.warning(
+            "The %s rendezvous handler shares one agent store across rounds; worker restarts "
+            "may hang (pytorch#135712).", config.rdzv_backend,
+        )
+
     spec = WorkerSpec(
         role=config.role,
         local_world_size=config.nproc_per_node,
