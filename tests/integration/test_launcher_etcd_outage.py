@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.launcher_scripts.harness import cluster, wait_until
+from tests.integration.launcher_scripts.harness import cluster
 
 pytestmark = [pytest.mark.etcd, pytest.mark.slow]
 
@@ -40,12 +40,12 @@ def test_training_goes_on_when_etcd_is_killed_and_restarted(
         wargs = c.worker_args("--stop-file", str(stop), steps=100_000)
         agents = [c.start_elastic("--nnodes", "2", "--max-restarts", "0", worker_args=wargs)
                   for _ in range(2)]
-        wait_until(lambda: any(s.world == 2 for s in c.steps()), 90, "a world of 2")
+        c.wait_for(lambda st: any(s.world == 2 for s in st), 90, "a world of 2")
         server.kill()  # type: ignore[attr-defined]
         time.sleep(2)
         server.restart()  # type: ignore[attr-defined]
         n = len(c.steps())
-        wait_until(lambda: len(c.steps()) >= n + 20, 60, "training to go on after the restart")
+        c.wait_for(lambda st: len(st) >= n + 20, 60, "training to go on after the restart")
         stop.touch()
         assert [a.wait(60) for a in agents] == [0, 0], c.logs()
 
@@ -59,7 +59,7 @@ def test_etcd_down_past_the_deadline_stops_the_job_naming_the_endpoints(
         wargs = c.worker_args(steps=100_000)
         agents = [c.start_elastic("--nnodes", "1:2", "--max-restarts", "0", worker_args=wargs)
                   for _ in range(2)]
-        wait_until(lambda: any(s.world == 2 for s in c.steps()), 90, "a world of 2")
+        c.wait_for(lambda st: any(s.world == 2 for s in st), 90, "a world of 2")
         server.kill()  # type: ignore[attr-defined]
         codes = [a.wait(90) for a in agents]
         assert all(code == 3 for code in codes), c.logs()

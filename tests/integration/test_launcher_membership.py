@@ -32,23 +32,23 @@ def test_lost_and_joining_nodes_do_not_consume_restarts(
         flags = ("--min-nodes", "2", "--max-nodes", "3", "--max-restarts", "0")
         a, b, victim = (c.start_elastic(*flags, worker_args=wargs) for _ in range(3))
         try:
-            wait_until(lambda: any(s.world == 3 for s in c.steps()), 90, "a world of 3")
+            c.wait_for(lambda st: any(s.world == 3 for s in st), 90, "a world of 3")
             victim_workers = victim.worker_pids()
             round3 = c.steps()[-1].round
             victim.kill_tree()  # the whole node: agent and workers
             assert not any(alive(p) for p in victim_workers)
             n = len(c.steps())
-            wait_until(lambda: any(s.world == 2 for s in c.steps()[n:]), 90,
+            c.wait_for(lambda st: any(s.world == 2 for s in st[n:]), 90,
                        "the two survivors to train on in a new round")
             round2 = next(s.round for s in c.steps()[n:] if s.world == 2)
             assert round2 != round3
 
             late = c.start_elastic(*flags, worker_args=wargs)
             n = len(c.steps())
-            wait_until(lambda: any(s.world == 3 for s in c.steps()[n:]), 90,
+            c.wait_for(lambda st: any(s.world == 3 for s in st[n:]), 90,
                        "the late node to be admitted")
             late_pids = set(late.worker_pids())
-            wait_until(lambda: any(s.pid in late_pids for s in c.steps()[n:]), 60,
+            c.wait_for(lambda st: any(s.pid in late_pids for s in st[n:]), 60,
                        "the late node's worker to train")
             stop.touch()
             codes = [agent.wait(60) for agent in (a, b, late)]
@@ -84,14 +84,14 @@ def test_killing_an_agent_kills_its_workers_and_the_others_go_on(
         wargs = c.worker_args("--stop-file", str(stop), steps=100_000)
         flags = ("--nnodes", "1:2", "--max-restarts", "3")
         survivor, victim = (c.start_elastic(*flags, worker_args=wargs) for _ in range(2))
-        wait_until(lambda: any(s.world == 2 for s in c.steps()), 90, "a world of 2")
+        c.wait_for(lambda st: any(s.world == 2 for s in st), 90, "a world of 2")
         orphans = victim.worker_pids()
         assert orphans
         kill([victim.pid])  # the agent only: its workers live in sessions of their own
         wait_until(lambda: not any(alive(p) for p in orphans), 15,
                    "the dead agent's workers to exit")
         n = len(c.steps())
-        wait_until(lambda: any(s.world == 1 for s in c.steps()[n:]), 90,
+        c.wait_for(lambda st: any(s.world == 1 for s in st[n:]), 90,
                    "the survivor to train alone in a new round")
         stop.touch()
         assert survivor.wait(60) == 0, c.logs()
@@ -106,7 +106,7 @@ def test_a_dead_agent_does_not_hold_the_others_in_the_exit_barrier(
         flags = ("--nnodes", "2", "--max-restarts", "0", "--exit-barrier-timeout", "100")
         c.start_elastic(*flags, worker_args=wargs)
         c.start_elastic(*flags, worker_args=wargs)
-        wait_until(lambda: any(s.step == 15 and s.rank == 1 for s in c.steps()), 90,
+        c.wait_for(lambda st: any(s.step == 15 and s.rank == 1 for s in st), 90,
                    "the last step")
         rank1_pid = next(s.pid for s in c.steps() if s.rank == 1 and s.step == 15)
         lingering = c.agent_of_pid(rank1_pid)
@@ -126,8 +126,8 @@ def test_repeated_worker_kills_never_hang_the_restart(tmp_path: Path, etcd_serve
         killed: set[int] = set()
         for _ in range(3):
             n = len(c.steps())
-            wait_until(
-                lambda n=n: len([s for s in c.steps()[n:] if s.pid not in killed]) >= 6, 90,
+            c.wait_for(
+                lambda st, n=n: len([s for s in st[n:] if s.pid not in killed]) >= 6, 90,
                 "training to resume after a worker SIGKILL",
             )
             victims = agents[1].worker_pids()

@@ -52,12 +52,17 @@ def read_steps(path: Path) -> list[Step]:
     return rows
 
 
-def wait_until(pred: Callable[[], bool], timeout: float, what: str) -> None:
-    """Poll ``pred`` until true; fail the test naming ``what`` after ``timeout`` seconds."""
+def wait_until(
+    pred: Callable[[], bool], timeout: float, what: str,
+    give_up: Callable[[], bool] = lambda: False,
+) -> None:
+    """Poll ``pred`` until true; fail naming ``what`` after ``timeout`` s or once ``give_up()``."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if pred():
             return
+        if give_up():
+            raise AssertionError(f"every agent exited while waiting for {what}")
         time.sleep(0.1)
     raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
 
@@ -167,6 +172,16 @@ class Cluster:
              "--rdzv-conf", FAST_RDZV_CONF, "--monitor-interval", "0.1", *flags],
             worker_args,
         )
+
+    def all_exited(self) -> bool:
+        return all(a.proc.poll() is not None for a in self.agents)
+
+    def wait_for(self, pred: Callable[[list[Step]], bool], timeout: float, what: str) -> None:
+        """Wait until ``pred(steps)`` holds; fail fast (with the logs) if every agent exited."""
+        try:
+            wait_until(lambda: pred(self.steps()), timeout, what, give_up=self.all_exited)
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\n{self.logs()}") from None
 
     def steps(self) -> list[Step]:
         return read_steps(self.out)
