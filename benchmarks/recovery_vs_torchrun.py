@@ -12,8 +12,10 @@ run measures, in order:
 A phase that does not recover within ``--hang-timeout`` seconds counts as a hang (the run ends
 there). Launchers compared: ``torchrun`` with default settings, ``torchrun`` with
 ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (the workaround for pytorch#135712), and
-``elastic-run`` (etcd v3 rendezvous on an embedded etcd, default settings). Prints a Markdown
-table of medians and the ratios against torchrun's defaults.
+``elastic-run`` (etcd v3 rendezvous on an embedded etcd, default settings). Optionally
+``elastic-run-c10d``: our launcher on torch's c10d rendezvous with default settings, which
+separates what the agent changes from what the etcd rendezvous changes. Prints a Markdown table
+of medians and the ratios against torchrun's defaults.
 
 Usage::
 
@@ -150,6 +152,17 @@ def _wait_for(out: Path, pred: Any, timeout: float) -> tuple[float, int, int, in
     return None
 
 
+def _wait_listening(endpoint: str, timeout: float) -> None:
+    host, port = endpoint.rsplit(":", 1)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with socket.socket() as s:
+            s.settimeout(1.0)
+            if s.connect_ex((host, int(port))) == 0:
+                return
+        time.sleep(0.1)
+
+
 def _children(pid: int) -> list[int]:
     try:
         out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True,
@@ -178,9 +191,11 @@ def _agent_cmd(launcher: str, endpoint: str, run_id: str, out: Path, ckpt: Path,
               "--monitor-interval", "0.1"]
     worker = [str(Path(__file__).resolve()), "--worker", "--out", str(out), "--ckpt", str(ckpt),
               "--steps", str(steps)]
+    c10d = ["--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", run_id]
     if launcher.startswith("torchrun"):
-        return [sys.executable, "-m", "torch.distributed.run", "--rdzv-backend", "c10d",
-                "--rdzv-endpoint", endpoint, "--rdzv-id", run_id, *common, *worker]
+        return [sys.executable, "-m", "torch.distributed.run", *c10d, *common, *worker]
+    if launcher == "elastic-run-c10d":
+        return [sys.executable, "-m", "launch", *c10d, *common, *worker]
     return [sys.executable, "-m", "launch", "--etcd", endpoint, "--job-id", run_id, *common,
             *worker]
 
@@ -204,8 +219,8 @@ def one_run(launcher: str, etcd_endpoint: str | None, hang_timeout: float, workd
         for i in range(2):
             agents.append(subprocess.Popen(cmd, env=env, stdout=logs[i], stderr=subprocess.STDOUT,
                                            start_new_session=True))
-            if launcher.startswith("torchrun") and i == 0:
-                time.sleep(0.5)  # the c10d store host must listen first, as in real use
+            if launcher != "elastic-run" and i == 0:
+                _wait_listening(endpoint, hang_timeout)  # agent 0 must host the c10d store
         first = _wait_for(out, lambda r: True, hang_timeout)
         if first is None:
             run.hung.append("first_step")
@@ -322,6 +337,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hang-timeout", type=float, default=90.0)
     p.add_argument("--launchers", default="torchrun-default,torchrun-noshare,elastic-run")
     p.add_argument("--json", default=None, help="also write the raw runs to this file")
+    p.add_argument("--workdir", default=None, help="keep logs here (default: a temp dir)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     p.add_argument("--ckpt", help=argparse.SUPPRESS)
@@ -333,7 +349,8 @@ def main(argv: list[str] | None = None) -> int:
     launchers = [x.strip() for x in a.launchers.split(",") if x.strip()]
     runs: list[Run] = []
     with tempfile.TemporaryDirectory(prefix="recovery-bench-") as tmp:
-        workdir = Path(tmp)
+        workdir = Path(a.workdir or tmp)
+        workdir.mkdir(parents=True, exist_ok=True)
         server, endpoint = (None, None)
         if "elastic-run" in launchers:
             server, endpoint = _start_etcd(workdir)
