@@ -1,12 +1,26 @@
-"""``elastic-run status``: the current round, members, world size and their ages."""
+"""``elastic-run status``: the current round, members, world size and their ages.
+
+Reads the job's membership through the runtime's ``read_job_status`` and prints it for an
+operator. Only membership facts are printed: never endpoints' credentials or certificates.
+"""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
+import time
+from collections.abc import Iterable, Mapping
+from datetime import datetime, timedelta
+from typing import Any, Final
 
 from elastic import env
+from elastic.errors import ConfigError, EtcdUnavailableError
+
+EXIT_OK: Final = 0
+EXIT_BAD_INPUT: Final = 2
+EXIT_UNAVAILABLE: Final = 3
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -18,12 +32,99 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--etcd", "--etcd-endpoints", "--rdzv-endpoint", dest="etcd",
         default=os.environ.get(env.ETCD_ENDPOINTS, ""),
+        help=f"etcd endpoints host:port[,host:port...] (env {env.ETCD_ENDPOINTS}).",
     )
+    parser.add_argument("--timeout", type=float, default=10.0,
+                        help="Seconds to wait for etcd (default 10).")
     return parser
 
 
-def main(argv: list[str]) -> int:
+def _as_mapping(obj: Any) -> Mapping[str, Any]:
+    if isinstance(obj, Mapping):
+        return obj
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
+    return {k: v for k, v in vars(obj).items() if not k.startswith("_")}
+
+
+def _age(value: Any, now: float) -> str:
+    if isinstance(value, datetime):
+        value = value.timestamp()
+    if isinstance(value, timedelta):
+        seconds = value.total_seconds()
+    elif isinstance(value, int | float):
+        seconds = now - float(value)
+    else:
+        return "?"
+    return f"{max(seconds, 0.0):.1f} s"
+
+
+_SECRET_HINTS: Final = ("password", "token", "secret", "key", "cert")
+
+
+def format_status(job_id: str, status: Any, *, now: float | None = None) -> str:
+    """Render a job status (round, world size, members with their ages) as plain text.
+
+    Args:
+        job_id: the job id, for the heading.
+        status: what ``read_job_status`` returned (a dataclass or mapping with ``round``,
+            ``members`` and optionally ``world_size``); ``None`` when the job is unknown.
+        now: the current time (epoch seconds), for the ages.
+    """
+    if status is None:
+        return f"job {job_id}: no rendezvous state found (not started, or expired)."
+    now = time.time() if now is None else now
+    fields = _as_mapping(status)
+    members = list(fields.get("members") or ())
+    world = fields.get("world_size", len(members))
+    lines = [f"job {job_id}: round {fields.get('round', '?')}, world size {world}, "
+             f"{len(members)} member(s)"]
+    for member in sorted(members, key=lambda m: str(_as_mapping(m).get("node_id", m))):
+        info = _as_mapping(member)
+        parts = []
+        for name, value in info.items():
+            if any(h in name.lower() for h in _SECRET_HINTS):
+                continue
+            if name in ("started_at", "joined_at", "last_seen", "age"):
+                parts.append(f"{name.replace('_at', '')} age={_age(value, now)}")
+            else:
+                parts.append(f"{name}={value}")
+        lines.append("  - " + " ".join(parts))
+    return "\n".join(lines)
+
+
+def _read(job_id: str, endpoints: str, timeout: float) -> Any:
+    from elastic.etcd import EtcdClient, EtcdConfig, parse_endpoints
+
+    try:
+        from elastic.membership import read_job_status
+    except ImportError:
+        from elastic.handler import read_job_status  # type: ignore[attr-defined,no-redef]
+    config = EtcdConfig(endpoints=parse_endpoints(endpoints),
+                        request_timeout=timedelta(seconds=timeout))
+    client = EtcdClient(config)
+    try:
+        return read_job_status(client, job_id)
+    finally:
+        close = getattr(client, "close", None)
+        if callable(close):
+            close()
+
+
+def main(argv: Iterable[str]) -> int:
     """Print the status of one job; return the exit code."""
-    build_parser().parse_args(argv)
-    sys.stderr.write("elastic-run: error: status is not available yet.\n")
-    return 3
+    args = build_parser().parse_args(list(argv))
+    if not args.etcd:
+        sys.stderr.write(f"elastic-run: error: no etcd endpoint given; pass --etcd host:port or "
+                         f"set {env.ETCD_ENDPOINTS}.\n")
+        return EXIT_BAD_INPUT
+    try:
+        status = _read(args.job_id, args.etcd, args.timeout)
+    except ConfigError as exc:
+        sys.stderr.write(f"elastic-run: error: {exc}\n")
+        return EXIT_BAD_INPUT
+    except (EtcdUnavailableError, ConnectionError) as exc:
+        sys.stderr.write(f"elastic-run: error: {exc}\n")
+        return EXIT_UNAVAILABLE
+    print(format_status(args.job_id, status))
+    return EXIT_OK
