@@ -120,7 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_endpoints(text: str) -> list[str]:
     """Split and validate ``host:port[,host:port...]``; raises ConfigError on bad input."""
     try:
-        from elastic.etcd import parse_endpoints as parse
+        from elastic.etcd import parse_endpoints as parse  # type: ignore[import-not-found]
     except ImportError:  # the etcd facade has not landed: use the local rules below
         parse = None
     if parse is not None:
@@ -246,7 +246,10 @@ def _standalone_etcd(args: argparse.Namespace) -> Iterator[None]:
     if not args.standalone:
         yield
         return
-    from launch.etcd_server import EmbeddedEtcd, find_etcd_binary
+    from launch.etcd_server import (  # type: ignore[import-not-found]
+        EmbeddedEtcd,
+        find_etcd_binary,
+    )
 
     binary = find_etcd_binary(args.etcd_binary)
     with EmbeddedEtcd(binary=binary) as server:
@@ -265,7 +268,10 @@ def _serve_etcd(argv: Sequence[str]) -> int:
     args = parser.parse_args(list(argv))
     import threading
 
-    from launch.etcd_server import EmbeddedEtcd, find_etcd_binary
+    from launch.etcd_server import (  # type: ignore[import-not-found]
+        EmbeddedEtcd,
+        find_etcd_binary,
+    )
 
     binary = find_etcd_binary(args.etcd_binary)
     with EmbeddedEtcd(
