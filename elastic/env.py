@@ -34,3 +34,15 @@ REQUIRE_ETCD: Final = "ELASTIC_REQUIRE_ETCD"
 
 LOG_JSON: Final = "ELASTIC_LOG_JSON"
 """When ``1``, structured event logs are written as JSON lines."""
+
+PREEMPTION_WATCH: Final = "ELASTIC_PREEMPTION_WATCH"
+"""Preemption-notice sources (``--preemption-watch``): ``auto``, ``none``, or ``aws,gcp,...``."""
+
+AWS_METADATA_URL: Final = "ELASTIC_AWS_METADATA_URL"
+"""Base URL of AWS IMDS (default ``http://169.254.169.254``); tests point it at a fake."""
+
+GCP_METADATA_URL: Final = "ELASTIC_GCP_METADATA_URL"
+"""Base URL of the GCP metadata server (default ``http://169.254.169.254``)."""
+
+AZURE_METADATA_URL: Final = "ELASTIC_AZURE_METADATA_URL"
+"""Base URL of Azure IMDS for Scheduled Events (default ``http://169.254.169.254``)."""
