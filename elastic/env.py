@@ -21,7 +21,7 @@ ETCD_BINARY: Final = "ELASTIC_ETCD_BINARY"
 """Path of the etcd binary used by ``--standalone`` and the tests."""
 
 ETCD_USERNAME: Final = "ELASTIC_ETCD_USERNAME"
-ETCD_PASSWORD: Final = "ELASTIC_ETCD_PASSWORD"  # noqa: S105 - a variable name, not a secret
+ETCD_PASSWORD: Final = "ELASTIC_ETCD_PASSWORD"
 ETCD_CA_CERT: Final = "ELASTIC_ETCD_CA_CERT"
 ETCD_CERT: Final = "ELASTIC_ETCD_CERT"
 ETCD_KEY: Final = "ELASTIC_ETCD_KEY"
