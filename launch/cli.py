@@ -34,7 +34,7 @@ from collections.abc import Iterator, Sequence
 from typing import Final
 
 from elastic import env
-from elastic.errors import ConfigError
+from elastic.errors import ConfigError, ElasticError
 
 logger = logging.getLogger(__name__)
 
@@ -318,6 +318,8 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(str(exc), EXIT_BAD_INPUT)
     except FileNotFoundError as exc:  # e.g. no etcd binary for --standalone
         return _fail(str(exc), EXIT_BAD_INPUT)
+    except ElasticError as exc:  # e.g. the embedded etcd did not become ready
+        return _fail(str(exc), EXIT_RENDEZVOUS)
     except SystemExit as exc:
         return exc.code if isinstance(exc.code, int) else EXIT_BAD_INPUT
 

@@ -51,17 +51,6 @@ def guarded_command(
     return python, ["-u", "-m", GUARD_MODULE, "--exec", cmd, *args]
 
 
-def check_etcd(endpoints: str, timeout: timedelta) -> None:
-    """Fail fast, naming the endpoints, if no etcd endpoint answers within ``timeout``.
-
-    Raises:
-        EtcdUnavailableError: no endpoint answered in time.
-    """
-    from launch.etcd_probe import probe
-
-    probe(endpoints, timeout)
-
-
 def _log_config(
     args: argparse.Namespace, config: Any, entrypoint: Any, cmd_args: list[str]
 ) -> None:
@@ -106,6 +95,7 @@ def run(args: argparse.Namespace) -> int:
     from torch.distributed.run import config_from_args
 
     from launch.agent import NodeAgent
+    from launch.etcd_probe import probe
 
     # pytorch#135712: a TCPStore shared across rounds hands new workers a dead worker's address.
     # Without sharing, the rank-0 worker hosts a fresh store each round (port agreed via etcd).
@@ -117,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
     is_etcd = args.rdzv_backend in ETCD_BACKENDS
     if is_etcd:
         try:
-            check_etcd(args.rdzv_endpoint, timedelta(seconds=args.etcd_connect_timeout))
+            probe(args.rdzv_endpoint, timedelta(seconds=args.etcd_connect_timeout))
         except EtcdUnavailableError as exc:
             return _fail(str(exc), EXIT_RENDEZVOUS)
 
