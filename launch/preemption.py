@@ -574,3 +574,54 @@ def _parse_http_date(text: str) -> datetime | None:
     except (TypeError, ValueError):
         return None
     return parsed if parsed.tzinfo else parsed.replace(tzinfo=timezone.utc)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m launch.preemption``: wait for a notice on this node and print it as JSON.
+
+    For operators checking that a node hears its cloud's notices, and for tests. Exits 0 with the
+    notice on stdout, 1 if ``--timeout`` passes first, 2 on bad input.
+    """
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m launch.preemption", description=main.__doc__)
+    parser.add_argument("--watch", default=os.environ.get(env.PREEMPTION_WATCH, "auto"),
+                        help="auto, none, or a comma-separated subset of aws,gcp,azure,sigterm.")
+    parser.add_argument("--aws-url", default=None)
+    parser.add_argument("--gcp-url", default=None)
+    parser.add_argument("--azure-url", default=None)
+    parser.add_argument("--grace-period", type=float, default=None,
+                        help="Seconds a SIGTERM notice gives (the pod's grace period).")
+    parser.add_argument("--timeout", type=float, default=None,
+                        help="Give up after this many seconds (default: wait forever).")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        grace = None if args.grace_period is None else timedelta(seconds=args.grace_period)
+        watchers = detect_watchers(
+            args.watch, aws_url=args.aws_url, gcp_url=args.gcp_url, azure_url=args.azure_url,
+            grace_period=grace,
+        )
+    except ConfigError as exc:
+        print(f"error: {exc}", flush=True)
+        return 2
+    monitor = PreemptionMonitor(watchers)
+    with monitor:
+        monitor.start()
+        print(json.dumps({"ready": [w.source for w in watchers]}), flush=True)
+        timeout = None if args.timeout is None else timedelta(seconds=args.timeout)
+        # Wait in short slices: the main thread must run to execute the SIGTERM handler.
+        end = None if timeout is None else time.monotonic() + timeout.total_seconds()
+        notice = None
+        while notice is None and (end is None or time.monotonic() < end):
+            notice = monitor.wait(timedelta(milliseconds=100))
+    if notice is None:
+        return 1
+    deadline = None if notice.deadline is None else notice.deadline.isoformat()
+    print(json.dumps({"source": notice.source, "deadline": deadline, "detail": notice.detail}),
+          flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
