@@ -408,6 +408,21 @@ class SigtermWatcher(PreemptionWatcher):
             self._previous = signal.signal(signal.SIGTERM, self._handle)
             self._installed = True
 
+    def ensure_installed(self) -> bool:
+        """Put the handler back on top if someone replaced it; True if it had to.
+
+        torch's ``PContext.start`` installs its own SIGTERM handler every time it starts workers,
+        replacing this one: call this after each worker (re)start, in the main thread. The
+        replacing handler becomes the one chained to.
+        """
+        if not self._installed or self._stop.is_set():
+            return False
+        current = signal.getsignal(signal.SIGTERM)
+        if current == self._handle:
+            return False
+        self._previous = signal.signal(signal.SIGTERM, self._handle)
+        return True
+
     def stop(self, timeout: timedelta = timedelta(seconds=5)) -> None:
         self._stop.set()
         if not self._installed or threading.current_thread() is not threading.main_thread():

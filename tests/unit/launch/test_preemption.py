@@ -256,3 +256,22 @@ def test_monitor_delivers_only_the_first_notice_of_several_sources() -> None:
             threading.Event().wait(0.2)
     assert notice is not None and notice.source in ("aws", "gcp")
     assert collector.notices == [notice]
+
+
+def test_sigterm_watcher_reinstalls_itself_over_a_later_handler_and_chains_to_it() -> None:
+    original = signal.getsignal(signal.SIGTERM)
+    later_calls: list[int] = []
+    try:
+        watcher = SigtermWatcher()
+        collector = Collector()
+        watcher.start(collector)
+        assert not watcher.ensure_installed()
+        # What torch's PContext.start does on every worker (re)start:
+        signal.signal(signal.SIGTERM, lambda signum, frame: later_calls.append(signum))
+        assert watcher.ensure_installed()
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert collector.event.wait(WAIT.total_seconds())
+        assert later_calls == [signal.SIGTERM]
+        watcher.stop()
+    finally:
+        signal.signal(signal.SIGTERM, original)
