@@ -37,8 +37,13 @@ def test_out_of_range_step_is_rejected_with_the_value() -> None:
 
 def test_commit_record_round_trips_through_json() -> None:
     rec = CommitRecord(
-        step=7, round=1, world_size=2, run_id="r", created_at=1.5,
-        files={"a/b": FileEntry(size=3, crc32=99)}, metadata={"k": 1},
+        step=7,
+        round=1,
+        world_size=2,
+        run_id="r",
+        created_at=1.5,
+        files={"a/b": FileEntry(size=3, crc32=99)},
+        metadata={"k": 1},
     )
     assert CommitRecord.from_json(rec.to_json(), where="x") == rec
 
@@ -77,7 +82,8 @@ def test_retention_keeps_last_n_and_clears_old_leftovers() -> None:
 def test_retention_keeps_every_kth_step_for_good() -> None:
     c = [format_dir_name(s, 0) for s in (10, 20, 30, 40)]
     assert plan_retention(c, [], keep_last=1, keep_every=20) == [
-        format_dir_name(10, 0), format_dir_name(30, 0)
+        format_dir_name(10, 0),
+        format_dir_name(30, 0),
     ]
 
 
@@ -92,7 +98,10 @@ _names = st.builds(format_dir_name, st.integers(0, 50), st.integers(0, 3))
     keep_every=st.one_of(st.none(), st.integers(1, 10)),
 )
 def test_retention_never_deletes_newest_committed_or_in_flight(
-    committed: set[str], uncommitted: set[str], keep_last: int, in_flight: str | None,
+    committed: set[str],
+    uncommitted: set[str],
+    keep_last: int,
+    in_flight: str | None,
     keep_every: int | None,
 ) -> None:
     doomed = plan_retention(

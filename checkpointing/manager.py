@@ -1,0 +1,526 @@
+"""The checkpoint manager: stage on the training thread, persist + commit in the background.
+
+Save protocol (ARCHITECTURE.md 4.6): every rank stages its state into reusable host buffers,
+then a daemon I/O thread runs ``torch.distributed.checkpoint.save`` into a fresh attempt
+directory ``step-{step:010d}_r{round:04d}``. When DCP returns, every shard and ``.metadata``
+are persisted; each rank checksums its own files, the coordinator gathers them, writes
+``COMMIT.json`` last and then ``latest.json``, and applies retention. A directory without a
+valid commit record is never loaded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from datetime import timedelta
+from types import TracebackType
+from typing import Any
+
+import torch.distributed as dist
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
+from checkpointing.errors import (
+    CheckpointCommitError,
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointNotFoundError,
+)
+from checkpointing.layout import (
+    COMMIT_FILE,
+    LATEST_FILE,
+    CommitRecord,
+    FileEntry,
+    crc32,
+    format_dir_name,
+    format_latest,
+    parse_dir_name,
+    parse_latest,
+)
+from checkpointing.retention import plan_retention
+from checkpointing.staging import HostStager
+from checkpointing.storage import Storage
+
+logger = logging.getLogger(__name__)
+
+
+class AsyncMode(str, enum.Enum):
+    """How :meth:`CheckpointManager.save` persists."""
+
+    DISABLED = "disabled"
+    ASYNC = "async"
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointInfo:
+    """A committed checkpoint."""
+
+    step: int
+    path: str
+    world_size: int
+    round: int
+    created_at: float
+    format_version: int
+    metadata: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class SaveHandle:
+    """Futures of one save: ``staged`` (host copy done) and ``committed`` (durable + committed)."""
+
+    step: int
+    staged: Future[None]
+    committed: Future[CheckpointInfo]
+
+
+def _info(rec: CommitRecord, path: str) -> CheckpointInfo:
+    return CheckpointInfo(
+        step=rec.step,
+        path=path,
+        world_size=rec.world_size,
+        round=rec.round,
+        created_at=rec.created_at,
+        format_version=rec.format_version,
+        metadata=dict(rec.metadata),
+    )
+
+
+class CheckpointManager:
+    """Asynchronous, atomic, sharded checkpoints on any fsspec URL.
+
+    Every rank of ``process_group`` must call :meth:`save` and :meth:`load` with the same steps.
+
+    Args:
+        url: Checkpoint root: a local path, ``file://``, ``s3://bucket/prefix``, any fsspec URL.
+        keep_last: Committed checkpoints to keep (at least 1).
+        async_mode: ``"async"`` (persist in the background) or ``"disabled"`` (inline).
+        process_group: Group for DCP's collectives; a dedicated gloo group is best. ``None``
+            creates one when ``torch.distributed`` is initialised, else runs single-process.
+        storage_options: fsspec options (endpoint, credentials, ...).
+        run_id: Recorded in each commit record; random when ``None``.
+        round: Rendezvous round, part of each attempt directory name.
+        keep_every: Keep committed steps divisible by this for good.
+
+    Raises:
+        ValueError: If an argument is invalid.
+        CheckpointError: If the storage location is unusable (see :class:`Storage`).
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        keep_last: int = 3,
+        async_mode: AsyncMode | str = AsyncMode.ASYNC,
+        process_group: dist.ProcessGroup | None = None,
+        storage_options: Mapping[str, Any] | None = None,
+        run_id: str | None = None,
+        round: int = 0,
+        keep_every: int | None = None,
+    ) -> None:
+        if keep_last < 1:
+            raise ValueError(f"keep_last ({keep_last}) must be at least 1; pass 1 or more.")
+        try:
+            self.async_mode = AsyncMode(async_mode)
+        except ValueError:
+            raise ValueError(
+                f"async_mode ({async_mode!r}) is not one of 'disabled' or 'async'."
+            ) from None
+        self.keep_last = keep_last
+        self.keep_every = keep_every
+        self.round = round
+        self.run_id = run_id or uuid.uuid4().hex
+        self.storage = Storage(url, storage_options)
+        self._distributed = dist.is_available() and dist.is_initialized()
+        if self._distributed and process_group is None:
+            # DCP's collectives run on the I/O thread; sharing the training group would let
+            # them interleave with the training thread's collectives.
+            process_group = dist.new_group(backend="gloo")
+        self._pg = process_group
+        self._rank = dist.get_rank(self._pg) if self._distributed else 0
+        self._world = dist.get_world_size(self._pg) if self._distributed else 1
+        if self._rank == 0:
+            self.storage.check_root()
+        self._stager = HostStager()
+        self._inflight: SaveHandle | None = None
+        self._inflight_dir: str | None = None
+        self._closed = False
+        self._jobs: queue.Queue[Callable[[], None] | None] = queue.Queue()
+        self._thread = threading.Thread(
+            target=self._run_jobs, name="checkpoint-io", daemon=True
+        )
+        self._thread.start()
+        #: Seconds the last save waited for the previous one (admission).
+        self.last_blocked_s = 0.0
+        #: Seconds the last save spent staging on the calling thread.
+        self.last_stage_s = 0.0
+
+    # ----------------------------------------------------------------------------- save path
+    def save(
+        self, step: int, state: Mapping[str, Any], *, metadata: Mapping[str, Any] | None = None
+    ) -> SaveHandle:
+        """Checkpoint ``state`` at ``step``; returns once the state is copied to host memory.
+
+        Args:
+            step: Training step (directory and commit record key).
+            state: Tensors, nested dicts and ``Stateful`` objects.
+            metadata: JSON-serialisable user metadata stored in the commit record.
+
+        Returns:
+            A :class:`SaveHandle`; ``committed`` fails with :class:`CheckpointCommitError`
+            when persisting or committing fails (training is not interrupted).
+        """
+        if self._closed:
+            raise CheckpointError(f"CheckpointManager ({self.storage.url}) is closed.")
+        dir_name = format_dir_name(step, self.round)
+        started = time.monotonic()
+        previous = self._inflight
+        if previous is not None and not previous.committed.done():
+            logger.info("checkpoint save at step %d waits for step %d", step, previous.step)
+            try:
+                previous.committed.exception()
+            finally:
+                self.last_blocked_s = time.monotonic() - started
+                logger.info("checkpoint.blocked_ms=%.1f", self.last_blocked_s * 1e3)
+        else:
+            self.last_blocked_s = 0.0
+        staged: Future[None] = Future()
+        committed: Future[CheckpointInfo] = Future()
+        handle = SaveHandle(step=step, staged=staged, committed=committed)
+        t0 = time.monotonic()
+        try:
+            host_state = self._stager.stage(state)
+        except BaseException as exc:
+            staged.set_exception(exc)
+            committed.set_exception(exc)
+            raise
+        self.last_stage_s = time.monotonic() - t0
+        staged.set_result(None)
+        self._inflight = handle
+        self._inflight_dir = dir_name
+        user_meta = dict(metadata or {})
+
+        def job() -> None:
+            try:
+                info = self._persist_and_commit(step, dir_name, host_state, user_meta)
+            except BaseException as exc:
+                logger.error("checkpoint.failed step=%d: %s", step, exc, exc_info=exc)
+                err = exc if isinstance(exc, CheckpointError) else CheckpointCommitError(
+                    f"Checkpoint at step ({step}) in ({self.storage.url}) was not committed "
+                    f"({type(exc).__name__}: {exc}); the previous checkpoint stays valid and "
+                    "the next save tries again."
+                )
+                if err is not exc:
+                    err.__cause__ = exc
+                committed.set_exception(err)
+                return
+            committed.set_result(info)
+            if self._rank == 0:
+                self._apply_retention(in_flight=None)
+
+        if self.async_mode is AsyncMode.ASYNC:
+            self._jobs.put(job)
+        else:
+            job()
+        return handle
+
+    def _persist_and_commit(
+        self, step: int, dir_name: str, host_state: dict[str, Any], user_meta: dict[str, Any]
+    ) -> CheckpointInfo:
+        t0 = time.monotonic()
+        dir_url = self.storage.url_of(dir_name)
+        writer: FileSystemWriter | FsspecWriter
+        if self.storage.is_local:
+            writer = FileSystemWriter(dir_url, sync_files=True)
+        else:
+            writer = FsspecWriter(dir_url, sync_files=True, **self.storage.storage_options)
+        dcp_save(host_state, storage_writer=writer, process_group=self._pg)
+        persist_s = time.monotonic() - t0
+        # Checksums are spread over the ranks: each hashes the shard files it wrote.
+        dir_path = self.storage.path(dir_name)
+        sizes = self.storage.list_files(dir_path)
+        mine = {
+            rel: size for rel, size in sizes.items()
+            if self._owner_of(rel) == self._rank and rel != COMMIT_FILE
+        }
+        entries = {
+            rel: FileEntry(
+                size=size, crc32=crc32(self.storage.read_bytes(f"{dir_path}/{rel}"))
+            )
+            for rel, size in mine.items()
+        }
+        gathered: list[dict[str, FileEntry] | None] = [entries]
+        if self._distributed:
+            gathered = [None] * self._world if self._rank == 0 else []
+            dist.gather_object(
+                entries, gathered if self._rank == 0 else None, dst=self._global(0), group=self._pg
+            )
+        outcome: list[Any] = [None]
+        if self._rank == 0:
+            try:
+                files: dict[str, FileEntry] = {}
+                for part in gathered:
+                    files.update(part or {})
+                rec = CommitRecord(
+                    step=step, round=self.round, world_size=self._world, run_id=self.run_id,
+                    created_at=time.time(), files=files, metadata=user_meta,
+                )
+                self.storage.write_bytes(f"{dir_path}/{COMMIT_FILE}", rec.to_json())
+                self.storage.write_bytes(
+                    self.storage.path(LATEST_FILE), format_latest(step, dir_name)
+                )
+                outcome = [_info(rec, self.storage.url_of(dir_name))]
+                logger.info(
+                    "checkpoint.committed step=%d persist_ms=%.1f bytes=%d",
+                    step, persist_s * 1e3, sum(f.size for f in files.values()),
+                )
+            except Exception as exc:
+                outcome = [f"{type(exc).__name__}: {exc}"]
+        if self._distributed:
+            dist.broadcast_object_list(outcome, src=self._global(0), group=self._pg)
+        result = outcome[0]
+        if not isinstance(result, CheckpointInfo):
+            raise CheckpointCommitError(
+                f"Commit of checkpoint at step ({step}) in ({self.storage.url}) failed "
+                f"({result}); the previous checkpoint stays valid."
+            )
+        return result
+
+    def _owner_of(self, rel: str) -> int:
+        # DCP names shard files "__{rank}_{n}.distcp"; anything else is the coordinator's.
+        if rel.startswith("__"):
+            head = rel[2:].split("_", 1)[0]
+            if head.isdigit() and int(head) < self._world:
+                return int(head)
+        return 0
+
+    def _global(self, group_rank: int) -> int:
+        if self._pg is None:
+            return group_rank
+        return dist.get_global_rank(self._pg, group_rank)
+
+    def _apply_retention(self, in_flight: str | None) -> None:
+        try:
+            committed, uncommitted = self._scan()
+            doomed = plan_retention(
+                [n for n, _ in committed], uncommitted, keep_last=self.keep_last,
+                in_flight=in_flight, keep_every=self.keep_every,
+            )
+        except Exception as exc:
+            logger.warning("checkpoint retention scan failed: %s", exc)
+            return
+        for name in doomed:
+            try:
+                self.storage.remove_tree(self.storage.path(name))
+                logger.info("checkpoint retention deleted %s", name)
+            except Exception as exc:
+                logger.warning("checkpoint retention could not delete %s: %s", name, exc)
+
+    def _run_jobs(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            job()
+
+    # ----------------------------------------------------------------------------- read path
+    def _read_commit(self, name: str) -> CommitRecord | None:
+        path = self.storage.path(name, COMMIT_FILE)
+        try:
+            data = self.storage.read_bytes(path)
+        except FileNotFoundError:
+            return None
+        return CommitRecord.from_json(data, where=self.storage.url_of(name, COMMIT_FILE))
+
+    def _scan(self) -> tuple[list[tuple[str, CommitRecord]], list[str]]:
+        """Committed ``(name, record)`` newest first, and uncommitted attempt names."""
+        names = [n for n in self.storage.list_names(self.storage.root) if parse_dir_name(n)]
+        names.sort(key=lambda n: parse_dir_name(n) or (0, 0), reverse=True)
+        committed: list[tuple[str, CommitRecord]] = []
+        uncommitted: list[str] = []
+        for name in names:
+            try:
+                rec = self._read_commit(name)
+            except CheckpointCorruptError as exc:
+                logger.warning("ignoring checkpoint with a damaged commit record: %s", exc)
+                rec = None
+            if rec is None:
+                uncommitted.append(name)
+            else:
+                committed.append((name, rec))
+        return committed, uncommitted
+
+    def latest(self) -> CheckpointInfo | None:
+        """The newest checkpoint with a valid commit record, or ``None`` (fresh start)."""
+        pointer = None
+        with contextlib.suppress(FileNotFoundError):
+            pointer = parse_latest(self.storage.read_bytes(self.storage.path(LATEST_FILE)))
+        if pointer is not None:
+            step, name = pointer
+            try:
+                rec = self._read_commit(name)
+            except CheckpointCorruptError:
+                rec = None
+            if rec is not None and rec.step == step:
+                newest = self._scan()[0]
+                # A newer commit can exist if latest.json's write was lost to a crash.
+                if not newest or parse_dir_name(newest[0][0]) <= parse_dir_name(name):  # type: ignore[operator]
+                    return _info(rec, self.storage.url_of(name))
+        committed, _ = self._scan()
+        if not committed:
+            return None
+        name, rec = committed[0]
+        return _info(rec, self.storage.url_of(name))
+
+    def verify(self, info: CheckpointInfo) -> None:
+        """Check the commit record and every listed file's size and CRC32.
+
+        Raises:
+            CheckpointCorruptError: If anything does not match.
+        """
+        name = info.path.rstrip("/").rsplit("/", 1)[-1]
+        rec = self._read_commit(name)
+        if rec is None:
+            raise CheckpointCorruptError(
+                f"Checkpoint ({info.path}) has no commit record; it was never committed."
+            )
+        dir_path = self.storage.path(name)
+        sizes = self.storage.list_files(dir_path)
+        for rel, entry in sorted(rec.files.items()):
+            where = f"{info.path}/{rel}"
+            if sizes.get(rel) != entry.size:
+                raise CheckpointCorruptError(
+                    f"Checkpoint file ({where}) has size ({sizes.get(rel)}) but its commit "
+                    f"record says ({entry.size}); the checkpoint is damaged, load another one."
+                )
+            got = crc32(self.storage.read_bytes(f"{dir_path}/{rel}"))
+            if got != entry.crc32:
+                raise CheckpointCorruptError(
+                    f"Checkpoint file ({where}) has CRC32 ({got:#010x}) but its commit record "
+                    f"says ({entry.crc32:#010x}); the checkpoint is damaged, load another one."
+                )
+
+    def _choose(self, step: int | None) -> CheckpointInfo | str | None:
+        """Coordinator: pick and verify the checkpoint to load (or an error sentence)."""
+        committed, _ = self._scan()
+        if step is not None:
+            matches = [(n, r) for n, r in committed if r.step == step]
+            if not matches:
+                return (
+                    f"NotFound:No committed checkpoint at step ({step}) in "
+                    f"({self.storage.url}); list them with latest() or pass another step."
+                )
+            name, rec = matches[0]
+            info = _info(rec, self.storage.url_of(name))
+            try:
+                self.verify(info)
+            except CheckpointCorruptError as exc:
+                return f"Corrupt:{exc}"
+            return info
+        first = self.latest()
+        ordered = [(n, r) for n, r in committed]
+        if first is not None:
+            first_name = first.path.rstrip("/").rsplit("/", 1)[-1]
+            ordered.sort(key=lambda nr: nr[0] != first_name)
+        for name, rec in ordered:
+            info = _info(rec, self.storage.url_of(name))
+            try:
+                self.verify(info)
+            except CheckpointCorruptError as exc:
+                logger.warning("skipping damaged checkpoint, falling back: %s", exc)
+                continue
+            return info
+        return None
+
+    def load(self, state: Mapping[str, Any], *, step: int | None = None) -> CheckpointInfo | None:
+        """Load a verified checkpoint into ``state`` in place (re-sharding as needed).
+
+        Args:
+            state: The same structure as saved (tensors, dicts, ``Stateful`` objects).
+            step: A specific step; ``None`` loads the newest good checkpoint.
+
+        Returns:
+            What was loaded, or ``None`` when there is no committed checkpoint (fresh start).
+
+        Raises:
+            CheckpointNotFoundError: ``step`` has no committed checkpoint.
+            CheckpointCorruptError: ``step`` was given and its checkpoint is damaged.
+        """
+        self.wait()
+        choice: list[Any] = [None]
+        if self._rank == 0:
+            try:
+                choice = [self._choose(step)]
+            except Exception as exc:
+                choice = [f"Error:{type(exc).__name__}: {exc}"]
+        if self._distributed:
+            dist.broadcast_object_list(choice, src=self._global(0), group=self._pg)
+        picked = choice[0]
+        if picked is None:
+            logger.info("no committed checkpoint in %s: fresh start", self.storage.url)
+            return None
+        if isinstance(picked, str):
+            kind, _, message = picked.partition(":")
+            if kind == "NotFound":
+                raise CheckpointNotFoundError(message)
+            if kind == "Corrupt":
+                raise CheckpointCorruptError(message)
+            raise CheckpointError(
+                f"Loading from ({self.storage.url}) failed ({message}); check the storage."
+            )
+        info: CheckpointInfo = picked
+        name = info.path.rstrip("/").rsplit("/", 1)[-1]
+        reader: FileSystemReader | FsspecReader
+        if self.storage.is_local:
+            reader = FileSystemReader(self.storage.path(name))
+        else:
+            reader = FsspecReader(info.path, **self.storage.storage_options)
+        dcp_load(dict(state), storage_reader=reader, process_group=self._pg)
+        logger.info("checkpoint loaded step=%d from %s", info.step, info.path)
+        return info
+
+    # ----------------------------------------------------------------------------- lifecycle
+    def wait(self, timeout: timedelta | None = None) -> CheckpointInfo | None:
+        """Wait for the in-flight save; return its info, or ``None`` if none or it failed.
+
+        Raises:
+            TimeoutError: If ``timeout`` passes first.
+        """
+        handle = self._inflight
+        if handle is None:
+            return None
+        secs = None if timeout is None else timeout.total_seconds()
+        exc = handle.committed.exception(timeout=secs)
+        return None if exc is not None else handle.committed.result()
+
+    def close(self, wait: bool = True) -> None:
+        """Stop the I/O thread, first waiting for the in-flight save when ``wait``."""
+        if self._closed:
+            return
+        self._closed = True
+        if wait:
+            self.wait()
+        self._jobs.put(None)
+        if wait:
+            self._thread.join(timeout=60)
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close(wait=True)
