@@ -1,0 +1,288 @@
+"""ElasticSampler: a rank-agnostic global cursor into a seeded per-epoch permutation.
+
+The state that survives restarts and membership changes is only ``(epoch, consumed)`` plus the
+identity of the permutation (``seed``, ``dataset_size``, ``shuffle``). Each rank derives its
+share of the *rest* of the epoch from that cursor and the current world, so any sequence of
+re-shards and restores trains every sample of an epoch exactly once.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import Sampler
+
+from elastic.errors import ConfigError
+
+__all__ = ["ElasticSampler"]
+
+# torch's own launcher variables (not elastic-run's), read only when no process group exists.
+_RANK_ENV = "RANK"
+_WORLD_SIZE_ENV = "WORLD_SIZE"
+
+_STATE_KEYS = ("epoch", "consumed", "seed", "dataset_size", "shuffle")
+
+
+def _default_world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return int(os.environ.get(_RANK_ENV, "0")), int(os.environ.get(_WORLD_SIZE_ENV, "1"))
+
+
+class ElasticSampler(Sampler[int]):
+    """Yields this rank's share of the rest of the current epoch.
+
+    Every epoch has one order: ``torch.randperm(dataset_size)`` drawn from a generator seeded
+    with ``seed + epoch`` (or ``range(dataset_size)`` when ``shuffle`` is false). The cursor
+    ``consumed`` counts the real samples of that order already trained, globally. ``__iter__``
+    takes ``rest = order[consumed:]``, makes its length a multiple of ``world_size`` (see the
+    ``drop_last`` rule) and yields ``rest[rank::world_size]``. Because the split is strided,
+    after each rank has taken ``b`` indices the ranks together have taken exactly
+    ``rest[:b * world_size]``, so ``advance(b * world_size)`` moves the cursor past exactly the
+    samples trained, whatever the world was, and the next world continues from there.
+
+    ``drop_last`` rule:
+        * ``drop_last=False``: the rest of the epoch is padded at its end, by repeating the
+          first indices of the rest (cyclically), up to a multiple of ``world_size`` so that every
+          rank gets the same count. Padding is at most ``world_size - 1`` positions, at most one
+          per rank and always this rank's last index; :meth:`padding_count` says whether this
+          rank's last index is padding so that audits can exclude it. ``advance`` counts real
+          samples only: advancing by any count that reaches the end of the real samples
+          finishes the epoch (``consumed == dataset_size``). Every sample of the epoch is
+          trained exactly once, plus the marked padding.
+        * ``drop_last=True``: the rest is truncated to a multiple of ``world_size``; the fewer
+          than ``world_size`` indices at the end of the order that do not fill a whole round
+          are not yielded in this world (a later, smaller world may still yield them). They
+          are dropped, never trained, when the loop starts the next epoch with
+          :meth:`set_epoch`; a loop with a fixed global batch does so as soon as
+          :attr:`remaining` is below the global batch, so the dropped remainder is smaller
+          than one global batch. No sample is ever trained twice, and the trained samples of
+          an epoch are exactly ``order[:consumed]``.
+
+    The sampler works with ``DataLoader`` workers: indices are produced in the main process,
+    and ``__iter__`` snapshots its shard, so calling :meth:`advance` while a loader iterator is
+    still prefetching does not change what that iterator yields.
+
+    Args:
+        dataset_size: Number of samples in the dataset.
+        seed: Base seed of the per-epoch permutations; the same on every rank.
+        shuffle: Whether to permute; when false the order is ``0 .. dataset_size - 1``.
+        drop_last: Drop instead of pad the end of the epoch (see above).
+        rank: This process's rank; defaults to the default process group's rank, else env
+            ``RANK``, else 0.
+        world_size: Number of ranks; defaults to the default process group's size, else env
+            ``WORLD_SIZE``, else 1.
+
+    Raises:
+        ConfigError: If ``dataset_size`` is not positive, is smaller than ``world_size``, or
+            ``rank`` is outside ``[0, world_size)``.
+    """
+
+    def __init__(
+        self,
+        dataset_size: int,
+        *,
+        seed: int = 0,
+        shuffle: bool = True,
+        drop_last: bool = False,
+        rank: int | None = None,
+        world_size: int | None = None,
+    ) -> None:
+        if dataset_size < 1:
+            raise ConfigError(
+                f"dataset_size ({dataset_size}) must be at least 1; pass len(dataset) of a "
+                "non-empty dataset."
+            )
+        self._dataset_size = dataset_size
+        self._seed = seed
+        self._shuffle = shuffle
+        self._drop_last = drop_last
+        self._epoch = 0
+        self._consumed = 0
+        if rank is None or world_size is None:
+            default_rank, default_world = _default_world()
+            rank = default_rank if rank is None else rank
+            world_size = default_world if world_size is None else world_size
+        self._rank = 0
+        self._world_size = 1
+        self.reshard(rank, world_size)
+
+    # -- cursor -----------------------------------------------------------------------------
+
+    @property
+    def epoch(self) -> int:
+        """The current epoch."""
+        return self._epoch
+
+    @property
+    def consumed(self) -> int:
+        """Real samples of the current epoch already trained, over all ranks."""
+        return self._consumed
+
+    @property
+    def remaining(self) -> int:
+        """Real samples of the current epoch not yet trained, over all ranks."""
+        return self._dataset_size - self._consumed
+
+    @property
+    def rank(self) -> int:
+        """This sampler's rank in the current world."""
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        """The number of ranks the rest of the epoch is split over."""
+        return self._world_size
+
+    @property
+    def dataset_size(self) -> int:
+        """Number of samples in the dataset."""
+        return self._dataset_size
+
+    def set_epoch(self, epoch: int) -> None:
+        """Moves to ``epoch``; a different epoch starts at its beginning.
+
+        Setting the current epoch again keeps the cursor, so the usual ``set_epoch(epoch)`` at
+        the top of an epoch loop is safe after a mid-epoch restore.
+
+        Raises:
+            ValueError: If ``epoch`` is negative.
+        """
+        if epoch < 0:
+            raise ValueError(f"epoch ({epoch}) must be non-negative.")
+        if epoch != self._epoch:
+            self._epoch = epoch
+            self._consumed = 0
+
+    def advance(self, num_global_samples: int) -> None:
+        """Moves the cursor past the samples all ranks trained in one optimizer step.
+
+        Call it after every optimizer step with the global number of positions consumed
+        (``per-rank samples * world_size``). It never rolls into the next epoch: counts that
+        reach the end of the real samples finish the epoch (padding is not counted), and the
+        loop starts the next one with :meth:`set_epoch`.
+
+        Raises:
+            ValueError: If the count is negative or exceeds what the current world still has
+                to yield in this epoch.
+        """
+        available = len(self) * self._world_size
+        if num_global_samples < 0 or num_global_samples > available:
+            raise ValueError(
+                f"advance({num_global_samples}) is outside [0, {available}], the positions "
+                f"world size {self._world_size} still has in epoch {self._epoch}; call "
+                "set_epoch() to start the next epoch."
+            )
+        self._consumed = min(self._dataset_size, self._consumed + num_global_samples)
+
+    def reshard(self, rank: int, world_size: int) -> None:
+        """Splits the rest of the epoch over a new world; the cursor is unchanged.
+
+        Raises:
+            ConfigError: If the world is larger than the dataset or ``rank`` is out of range.
+        """
+        if world_size < 1 or world_size > self._dataset_size:
+            raise ConfigError(
+                f"world size ({world_size}) must be between 1 and the dataset size "
+                f"({self._dataset_size}); use fewer ranks or a larger dataset."
+            )
+        if not 0 <= rank < world_size:
+            raise ConfigError(
+                f"rank ({rank}) must be in [0, {world_size}) for world size ({world_size})."
+            )
+        self._rank = rank
+        self._world_size = world_size
+
+    # -- iteration --------------------------------------------------------------------------
+
+    def epoch_order(self) -> torch.Tensor:
+        """The full order of the current epoch (a 1-D int64 tensor of ``dataset_size``)."""
+        if not self._shuffle:
+            return torch.arange(self._dataset_size, dtype=torch.int64)
+        generator = torch.Generator()
+        generator.manual_seed(self._seed + self._epoch)
+        return torch.randperm(self._dataset_size, generator=generator)
+
+    def _global_rest(self) -> torch.Tensor:
+        rest = self.epoch_order()[self._consumed :]
+        real = rest.numel()
+        if self._drop_last:
+            return rest[: (real // self._world_size) * self._world_size]
+        pad = -real % self._world_size
+        if pad == 0:
+            return rest
+        repeats = -(-pad // real)
+        return torch.cat([rest, rest.repeat(repeats)[:pad]])
+
+    def __iter__(self) -> Iterator[int]:
+        shard: list[int] = self._global_rest()[self._rank :: self._world_size].tolist()
+        return iter(shard)
+
+    def __len__(self) -> int:
+        real = self.remaining
+        if self._drop_last:
+            return real // self._world_size
+        return -(-real // self._world_size)
+
+    def padding_count(self) -> int:
+        """How many of the indices this rank will yield are padding (0 or 1, always the last).
+
+        Always 0 with ``drop_last=True``.
+        """
+        length = len(self)
+        if self._drop_last or length == 0:
+            return 0
+        last_position = (length - 1) * self._world_size + self._rank
+        return 1 if last_position >= self.remaining else 0
+
+    # -- checkpointing ----------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """The rank-agnostic cursor: ``epoch``, ``consumed``, ``seed``, ``dataset_size``,
+        ``shuffle``."""
+        return {
+            "epoch": self._epoch,
+            "consumed": self._consumed,
+            "seed": self._seed,
+            "dataset_size": self._dataset_size,
+            "shuffle": self._shuffle,
+        }
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Restores the cursor saved by :meth:`state_dict` on any rank of any world.
+
+        Raises:
+            ConfigError: If keys are missing, or the saved permutation (dataset size, seed,
+                shuffle) differs from this sampler's, or the cursor is out of range.
+        """
+        missing = [key for key in _STATE_KEYS if key not in state_dict]
+        if missing:
+            raise ConfigError(
+                f"sampler state is missing keys ({', '.join(missing)}); pass a dict saved by "
+                "ElasticSampler.state_dict()."
+            )
+        for key, mine in (
+            ("dataset_size", self._dataset_size),
+            ("seed", self._seed),
+            ("shuffle", self._shuffle),
+        ):
+            saved = state_dict[key]
+            if saved != mine:
+                raise ConfigError(
+                    f"checkpointed sampler {key} ({saved}) differs from this sampler's {key} "
+                    f"({mine}); construct the sampler with the same dataset and {key} as the "
+                    "run that wrote the checkpoint."
+                )
+        epoch = int(state_dict["epoch"])
+        consumed = int(state_dict["consumed"])
+        if epoch < 0 or not 0 <= consumed <= self._dataset_size:
+            raise ConfigError(
+                f"checkpointed sampler cursor (epoch {epoch}, consumed {consumed}) is out of "
+                f"range for dataset size ({self._dataset_size}); the checkpoint is corrupt."
+            )
+        self._epoch = epoch
+        self._consumed = consumed
