@@ -140,19 +140,22 @@ class Storage:
             CheckpointNotFoundError: The bucket does not exist.
         """
         try:
+            if _BUCKETED & set(_protocols(self.fs)):
+                bucket = self.root.split("/", 1)[0]
+                try:
+                    # info() raises the backend's real error; exists() swallows credentials ones.
+                    self.fs.info(bucket)
+                except FileNotFoundError:
+                    raise CheckpointNotFoundError(
+                        f"Bucket ({bucket}) of checkpoint URL ({self.url}) does not exist; "
+                        "create it or fix the URL."
+                    ) from None
             if self.fs.isfile(self.root):
                 raise CheckpointError(
                     f"Checkpoint URL ({self.url}) is a file, not a directory; "
                     "pass a directory or prefix instead."
                 )
-            if not self.is_local:
-                bucket = self.root.split("/", 1)[0]
-                if not self.fs.exists(bucket):
-                    raise CheckpointNotFoundError(
-                        f"Bucket ({bucket}) of checkpoint URL ({self.url}) does not exist; "
-                        "create it or fix the URL."
-                    )
-            else:
+            if self.is_local:
                 self.fs.makedirs(self.root, exist_ok=True)
         except CheckpointError:
             raise
@@ -205,6 +208,9 @@ class Storage:
     def remove_tree(self, path: str) -> None:
         """Delete ``path`` recursively."""
         self.call(path, lambda: self.fs.rm(path, recursive=True))
+
+
+_BUCKETED = {"s3", "s3a", "gs", "gcs", "az", "abfs", "adl"}
 
 
 def _protocols(fs: Any) -> tuple[str, ...]:
