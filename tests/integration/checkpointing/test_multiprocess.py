@@ -1,0 +1,67 @@
+from __future__ import annotations
+
+import json
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from checkpointing import CheckpointManager, ModelOptimizerState
+from tests.integration.checkpointing.conftest import (
+    assert_bit_identical,
+    flat_state,
+    make_model_and_optimizer,
+    train_steps,
+)
+
+pytestmark = pytest.mark.slow
+
+
+def _save_worker(rank: int, world: int, port: int, root: str) -> None:
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timedelta(seconds=60))
+    dist.init_process_group(
+        "gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=60)
+    )
+    try:
+        model, optim = make_model_and_optimizer()
+        train_steps(model, optim, 3)
+        with CheckpointManager(root, run_id="mp") as mgr:
+            state = {"app": ModelOptimizerState(model, optim, extra={"step": 3})}
+            info = mgr.save(3, state).committed.result(timeout=60)
+            assert info.world_size == world
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_ranks_save_replicated_state_once_and_one_rank_restores_it_bit_identical(
+    tmp_path: Path,
+) -> None:
+    world = 2
+    master = dist.TCPStore(
+        "127.0.0.1", 0, world, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60)
+    )
+    mp.spawn(_save_worker, args=(world, master.port, str(tmp_path)), nprocs=world, join=True)
+    del master
+
+    d = tmp_path / "step-0000000003_r0000"
+    record = json.loads((d / "COMMIT.json").read_text())
+    assert record["world_size"] == world
+    shards = {
+        name: entry["size"] for name, entry in record["files"].items() if name.endswith(".distcp")
+    }
+    # Replicated tensors are written once in total, spread over both ranks.
+    assert {n.split("_")[2] for n in shards} == {"0", "1"}
+    assert all(size > 0 for size in shards.values())
+
+    model, optim = make_model_and_optimizer()
+    train_steps(model, optim, 3)
+    expected = flat_state(model, optim)
+    model2, optim2 = make_model_and_optimizer(seed=9)
+    extra: dict[str, object] = {"step": 0}
+    with CheckpointManager(str(tmp_path)) as mgr:
+        info = mgr.load({"app": ModelOptimizerState(model2, optim2, extra=extra)})
+    assert info is not None and info.step == 3 and info.world_size == world
+    assert extra == {"step": 3}
+    assert_bit_identical(expected, flat_state(model2, optim2))
