@@ -13,7 +13,12 @@ from typing import Any
 
 import pytest
 
-from tests.integration.launcher_scripts.harness import REPO, WORKER
+from tests.integration.launcher_scripts.harness import REPO, WORKER, etcd_or_skip
+
+
+@pytest.fixture
+def etcd(request: pytest.FixtureRequest) -> Any:
+    return etcd_or_skip(request)
 
 
 def _elastic_run(*argv: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
@@ -70,15 +75,15 @@ def test_unreachable_etcd_fails_within_the_deadline_naming_the_endpoints() -> No
 
 
 @pytest.mark.etcd
-def test_corrupt_rendezvous_state_is_a_one_sentence_error(etcd_server: Any) -> None:
+def test_corrupt_rendezvous_state_is_a_one_sentence_error(etcd: Any) -> None:
     pytest.importorskip("elastic.rendezvous", reason="the etcd v3 backend has not landed")
     import etcd3gw
 
     job = f"corrupt-{uuid.uuid4().hex[:8]}"
-    host, port = etcd_server.endpoint.rsplit(":", 1)
+    host, port = etcd.endpoint.rsplit(":", 1)
     client = etcd3gw.client(host=host, port=int(port), timeout=10)
     client.put(f"/elastic/{job}/rdzv/state", "\x00garbage, not a rendezvous state")
-    proc = _elastic_run("--etcd", etcd_server.endpoint, "--job-id", job,
+    proc = _elastic_run("--etcd", etcd.endpoint, "--job-id", job,
                         "--rdzv-conf", "join_timeout=20", str(WORKER), "--out", "/dev/null",
                         "--ckpt", "/dev/null", timeout=90)
     assert proc.returncode == 3, proc.stderr[-3000:]

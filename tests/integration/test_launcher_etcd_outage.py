@@ -12,6 +12,8 @@ import pytest
 from tests.integration.launcher_scripts.harness import cluster
 
 pytestmark = [pytest.mark.etcd, pytest.mark.slow]
+pytest.importorskip("elastic.rendezvous", reason="elastic.rendezvous has not landed yet")
+pytest.importorskip("launch.etcd_server", reason="launch.etcd_server has not landed yet")
 
 
 @pytest.fixture

@@ -12,11 +12,18 @@ import pytest
 from tests.integration.launcher_scripts.harness import (
     alive,
     cluster,
+    etcd_or_skip,
     kill,
     wait_until,
 )
 
 pytestmark = [pytest.mark.etcd, pytest.mark.slow]
+pytest.importorskip("elastic.rendezvous", reason="elastic.rendezvous has not landed yet")
+
+
+@pytest.fixture
+def etcd(request: pytest.FixtureRequest) -> Any:
+    return etcd_or_skip(request)
 
 
 def _job() -> str:
@@ -24,10 +31,10 @@ def _job() -> str:
 
 
 def test_lost_and_joining_nodes_do_not_consume_restarts(
-    tmp_path: Path, etcd_server: Any
+    tmp_path: Path, etcd: Any
 ) -> None:
     stop = tmp_path / "stop"
-    with cluster(tmp_path, etcd_server.endpoint, _job()) as c:
+    with cluster(tmp_path, etcd.endpoint, _job()) as c:
         wargs = c.worker_args("--stop-file", str(stop), steps=100_000)
         flags = ("--min-nodes", "2", "--max-nodes", "3", "--max-restarts", "0")
         a, b, victim = (c.start_elastic(*flags, worker_args=wargs) for _ in range(3))
@@ -63,9 +70,9 @@ def test_lost_and_joining_nodes_do_not_consume_restarts(
 
 
 def test_worker_crash_with_no_restarts_left_fails_the_job(
-    tmp_path: Path, etcd_server: Any
+    tmp_path: Path, etcd: Any
 ) -> None:
-    with cluster(tmp_path, etcd_server.endpoint, _job()) as c:
+    with cluster(tmp_path, etcd.endpoint, _job()) as c:
         wargs = c.worker_args("--crash-at-step", "5", steps=100_000)
         flags = ("--nnodes", "2", "--max-restarts", "0", "--failure-settle-timeout", "2")
         agents = [c.start_elastic(*flags, worker_args=wargs) for _ in range(2)]
@@ -77,10 +84,10 @@ def test_worker_crash_with_no_restarts_left_fails_the_job(
 
 
 def test_killing_an_agent_kills_its_workers_and_the_others_go_on(
-    tmp_path: Path, etcd_server: Any
+    tmp_path: Path, etcd: Any
 ) -> None:
     stop = tmp_path / "stop"
-    with cluster(tmp_path, etcd_server.endpoint, _job()) as c:
+    with cluster(tmp_path, etcd.endpoint, _job()) as c:
         wargs = c.worker_args("--stop-file", str(stop), steps=100_000)
         flags = ("--nnodes", "1:2", "--max-restarts", "3")
         survivor, victim = (c.start_elastic(*flags, worker_args=wargs) for _ in range(2))
@@ -98,9 +105,9 @@ def test_killing_an_agent_kills_its_workers_and_the_others_go_on(
 
 
 def test_a_dead_agent_does_not_hold_the_others_in_the_exit_barrier(
-    tmp_path: Path, etcd_server: Any
+    tmp_path: Path, etcd: Any
 ) -> None:
-    with cluster(tmp_path, etcd_server.endpoint, _job()) as c:
+    with cluster(tmp_path, etcd.endpoint, _job()) as c:
         # Rank 1 lingers after training, so its agent is still running when rank 0's finishes.
         wargs = c.worker_args("--linger-rank", "1", "--linger-s", "300", steps=15)
         flags = ("--nnodes", "2", "--max-restarts", "0", "--exit-barrier-timeout", "100")
@@ -118,8 +125,8 @@ def test_a_dead_agent_does_not_hold_the_others_in_the_exit_barrier(
         assert "Exit barrier done: 1 arrived, 1 lost, world 2." in finished.output(), c.logs()
 
 
-def test_repeated_worker_kills_never_hang_the_restart(tmp_path: Path, etcd_server: Any) -> None:
-    with cluster(tmp_path, etcd_server.endpoint, _job()) as c:
+def test_repeated_worker_kills_never_hang_the_restart(tmp_path: Path, etcd: Any) -> None:
+    with cluster(tmp_path, etcd.endpoint, _job()) as c:
         wargs = c.worker_args(steps=60, step_time=0.05)
         flags = ("--nnodes", "2", "--max-restarts", "5")
         agents = [c.start_elastic(*flags, worker_args=wargs) for _ in range(2)]

@@ -9,20 +9,26 @@ from typing import Any
 
 import pytest
 
-from tests.integration.launcher_scripts.harness import FAST_RDZV_CONF, cluster
+from tests.integration.launcher_scripts.harness import FAST_RDZV_CONF, cluster, etcd_or_skip
 
 pytestmark = [pytest.mark.etcd, pytest.mark.slow]
+pytest.importorskip("elastic.rendezvous", reason="elastic.rendezvous has not landed yet")
+
+
+@pytest.fixture
+def etcd(request: pytest.FixtureRequest) -> Any:
+    return etcd_or_skip(request)
 
 
 def test_torchrun_runs_a_two_node_job_on_the_etcd_v3_backend(
-    tmp_path: Path, etcd_server: Any
+    tmp_path: Path, etcd: Any
 ) -> None:
     job = f"torchrun-{uuid.uuid4().hex[:10]}"
     torchrun = [sys.executable, "-m", "torch.distributed.run"]
-    flags = ["--rdzv-backend", "etcd-v3", "--rdzv-endpoint", etcd_server.endpoint,
+    flags = ["--rdzv-backend", "etcd-v3", "--rdzv-endpoint", etcd.endpoint,
              "--rdzv-id", job, "--nnodes", "2", "--nproc-per-node", "1",
              "--rdzv-conf", FAST_RDZV_CONF]
-    with cluster(tmp_path, etcd_server.endpoint, job) as c:
+    with cluster(tmp_path, etcd.endpoint, job) as c:
         agents = [c.start(flags, c.worker_args(steps=10), launcher=torchrun) for _ in range(2)]
         codes = [a.wait(120) for a in agents]
         assert codes == [0, 0], c.logs()

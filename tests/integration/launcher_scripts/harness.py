@@ -16,6 +16,9 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+import pytest
 
 REPO = Path(__file__).resolve().parents[3]
 WORKER = Path(__file__).with_name("allreduce_worker.py")
@@ -208,3 +211,11 @@ def cluster(tmp: Path, endpoint: str, job_id: str) -> Iterator[Cluster]:
         yield c
     finally:
         c.stop()
+
+
+def etcd_or_skip(request: pytest.FixtureRequest) -> Any:
+    """The shared ``etcd_server`` fixture of ``tests/conftest.py``, or a skip if it is missing."""
+    try:
+        return request.getfixturevalue("etcd_server")
+    except pytest.FixtureLookupError:
+        pytest.skip("the etcd_server fixture (tests/conftest.py) is not available")
