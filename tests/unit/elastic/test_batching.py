@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 import torch
@@ -122,3 +123,60 @@ def test_scaled_accumulated_gradients_averaged_over_ranks_equal_the_global_batch
     torch.testing.assert_close(
         _mean_gradient_by_plan(plan, weight, x, y), reference.grad, rtol=0, atol=1e-12
     )
+
+
+def _ddp_worker(rank: int, world_size: int, workdir: str) -> None:
+    """One real DDP rank: sampler from the process group, plan, no_sync accumulation."""
+    import contextlib
+    import os
+
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from elastic.sampler import ElasticSampler
+
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{os.path.join(workdir, 'store')}",
+        rank=rank,
+        world_size=world_size,
+    )
+    try:
+        generator = torch.Generator().manual_seed(0)
+        x = torch.randn(24, 3, dtype=torch.float64, generator=generator)
+        y = torch.randn(24, 1, dtype=torch.float64, generator=generator)
+        model = torch.nn.Linear(3, 1, bias=False, dtype=torch.float64)
+        with torch.no_grad():
+            model.weight.copy_(torch.tensor([[0.5, -1.0, 2.0]], dtype=torch.float64))
+        ddp = DistributedDataParallel(model)
+        sampler = ElasticSampler(24, seed=3)  # rank and world from the process group
+        plan = plan_batches(24, 5, dist.get_world_size())
+        indices = list(sampler)[: plan.samples_per_rank]
+        for step in range(plan.grad_accum_steps):
+            batch = indices[step * plan.micro_batch_size : (step + 1) * plan.micro_batch_size]
+            last = step == plan.grad_accum_steps - 1
+            with contextlib.nullcontext() if last else ddp.no_sync():
+                loss = ((ddp(x[batch]) - y[batch]) ** 2).mean()
+                (loss * plan.loss_scale).backward()
+        assert model.weight.grad is not None
+        torch.save(model.weight.grad, os.path.join(workdir, f"grad{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_real_ddp_over_gloo_with_the_plan_gives_the_global_batch_mean_gradient(
+    tmp_path: Path,
+) -> None:
+    import torch.multiprocessing as mp
+
+    mp.spawn(_ddp_worker, args=(2, str(tmp_path)), nprocs=2, join=True, daemon=True)
+
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(24, 3, dtype=torch.float64, generator=generator)
+    y = torch.randn(24, 1, dtype=torch.float64, generator=generator)
+    weight = torch.tensor([[0.5, -1.0, 2.0]], dtype=torch.float64, requires_grad=True)
+    ((x @ weight.T - y) ** 2).mean().backward()
+    for rank in range(2):
+        grad = torch.load(tmp_path / f"grad{rank}.pt")
+        torch.testing.assert_close(grad, weight.grad, rtol=0, atol=1e-12)
