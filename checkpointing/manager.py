@@ -338,7 +338,8 @@ class CheckpointManager:
         path = self.storage.path(name, COMMIT_FILE)
         try:
             data = self.storage.read_bytes(path)
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
+            # A stray file with an attempt name (NotADirectory) is no checkpoint either.
             return None
         return CommitRecord.from_json(data, where=self.storage.url_of(name, COMMIT_FILE))
 

@@ -9,7 +9,12 @@ import torch
 from torch.distributed.checkpoint import load as stock_dcp_load
 
 from checkpointing import CheckpointManager, ModelOptimizerState
-from checkpointing.errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
+from checkpointing.errors import (
+    CheckpointCommitError,
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointNotFoundError,
+)
 from tests.integration.checkpointing.conftest import (
     assert_bit_identical,
     flat_state,
@@ -184,3 +189,22 @@ def test_unknown_url_scheme_is_rejected_naming_it() -> None:
 def test_bad_async_mode_is_rejected_naming_it(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"^async_mode \('sometimes'\) is not one of"):
         CheckpointManager(str(tmp_path), async_mode="sometimes")
+
+
+def test_failed_save_is_reported_keeps_previous_checkpoint_and_next_save_works(
+    tmp_path: Path,
+) -> None:
+    # A file where the attempt directory must go makes DCP's writer fail for that step.
+    (tmp_path / "step-0000000004_r0000").write_bytes(b"in the way")
+    with CheckpointManager(str(tmp_path), keep_last=5) as mgr:
+        mgr.save(3, {"w": torch.full((2,), 3.0)}).committed.result(60)
+        failed = mgr.save(4, {"w": torch.full((2,), 4.0)})
+        pattern = r"^Checkpoint at step \(4\) in \(.*\) was not committed"
+        with pytest.raises(CheckpointCommitError, match=pattern):
+            failed.committed.result(60)
+        latest = mgr.latest()
+        assert latest is not None and latest.step == 3
+        assert mgr.save(5, {"w": torch.full((2,), 5.0)}).committed.result(60).step == 5
+        out = {"w": torch.zeros(2)}
+        info = mgr.load(out)
+    assert info is not None and info.step == 5 and torch.equal(out["w"], torch.full((2,), 5.0))
