@@ -126,7 +126,13 @@ def test_without_drop_last_every_index_of_the_epoch_is_trained_exactly_once(
 
     assert Counter(trainer.trained) == Counter(range(dataset_size))
     assert trainer.sampler.consumed == dataset_size
-    assert sorted(trainer.trained) == list(range(dataset_size))
+
+    trainer.trained = []
+    trainer.sampler.set_epoch(1)
+    trainer.run(ops[::-1])
+    trainer.finish_epoch()
+    assert trainer.sampler.epoch == 1
+    assert Counter(trainer.trained) == Counter(range(dataset_size))
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -144,11 +150,17 @@ def test_with_drop_last_trained_indices_are_the_consumed_prefix_and_fewer_than_w
     trainer.run(ops)
     trainer.finish_epoch()
 
-    order = reference_order(dataset_size, seed, 0, shuffle)
-    consumed = trainer.sampler.consumed
-    assert trainer.trained and max(Counter(trainer.trained).values()) == 1
-    assert sorted(trainer.trained) == sorted(order[:consumed])
-    assert dataset_size - consumed < trainer.world
+    for epoch in (0, 1):
+        if epoch == 1:
+            trainer.trained = []
+            trainer.sampler.set_epoch(1)
+            trainer.run(ops[::-1])
+            trainer.finish_epoch()
+        order = reference_order(dataset_size, seed, epoch, shuffle)
+        consumed = trainer.sampler.consumed
+        assert trainer.trained and max(Counter(trainer.trained).values()) == 1
+        assert sorted(trainer.trained) == sorted(order[:consumed])
+        assert dataset_size - consumed < trainer.world
 
 
 @settings(max_examples=60, deadline=None)
