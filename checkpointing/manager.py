@@ -83,6 +83,10 @@ class SaveHandle:
     committed: Future[CheckpointInfo]
 
 
+def _order(name: str) -> tuple[int, int]:
+    return parse_dir_name(name) or (-1, -1)
+
+
 def _info(rec: CommitRecord, path: str) -> CheckpointInfo:
     return CheckpointInfo(
         step=rec.step,
@@ -375,7 +379,7 @@ class CheckpointManager:
             if rec is not None and rec.step == step:
                 newest = self._scan()[0]
                 # A newer commit can exist if latest.json's write was lost to a crash.
-                if not newest or parse_dir_name(newest[0][0]) <= parse_dir_name(name):  # type: ignore[operator]
+                if not newest or _order(newest[0][0]) <= _order(name):
                     return _info(rec, self.storage.url_of(name))
         committed, _ = self._scan()
         if not committed:

@@ -208,3 +208,12 @@ def test_failed_save_is_reported_keeps_previous_checkpoint_and_next_save_works(
         out = {"w": torch.zeros(2)}
         info = mgr.load(out)
     assert info is not None and info.step == 5 and torch.equal(out["w"], torch.full((2,), 5.0))
+
+
+def test_at_most_one_save_is_in_flight(tmp_path: Path) -> None:
+    with CheckpointManager(str(tmp_path), keep_last=10) as mgr:
+        handles = [mgr.save(step, {"w": torch.full((1000,), float(step))}) for step in range(4)]
+        # Each save admits only after the previous one resolved.
+        for earlier in handles[:-1]:
+            assert earlier.committed.done()
+        assert [h.committed.result(60).step for h in handles] == [0, 1, 2, 3]
