@@ -6,3 +6,25 @@ so public names are resolved lazily (PEP 562) instead of being imported here.
 """
 
 from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from elastic.batching import BatchPlan, plan_batches
+    from elastic.sampler import ElasticSampler
+
+__all__ = ["BatchPlan", "ElasticSampler", "plan_batches"]
+
+_LAZY_EXPORTS = {
+    "ElasticSampler": "elastic.sampler",
+    "BatchPlan": "elastic.batching",
+    "plan_batches": "elastic.batching",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY_EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'elastic' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
