@@ -119,30 +119,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def parse_endpoints(text: str) -> list[str]:
     """Split and validate ``host:port[,host:port...]``; raises ConfigError on bad input."""
-    try:
-        from elastic.etcd import parse_endpoints as parse  # type: ignore[import-not-found]
-    except ImportError:  # the etcd facade has not landed: use the local rules below
-        parse = None
-    if parse is not None:
-        return [str(e) for e in parse(text)]
-    return _parse_endpoints_locally(text)
+    from elastic.etcd import parse_endpoints as parse
 
-
-def _parse_endpoints_locally(text: str) -> list[str]:
-    endpoints = []
-    for raw in text.split(","):
-        item = raw.strip()
-        for scheme in ("http://", "https://"):
-            if item.startswith(scheme):
-                item = item[len(scheme):]
-        host, sep, port = item.rpartition(":")
-        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ConfigError(
-                f"etcd endpoint ({raw.strip()!r}) is not host:port; pass --etcd "
-                "host:port[,host:port...]."
-            )
-        endpoints.append(f"{host}:{port}")
-    return endpoints
+    return list(parse(text))
 
 
 def _resolve_nodes(args: argparse.Namespace) -> None:

@@ -1,0 +1,39 @@
+"""Fixtures shared by every test: a real etcd server on loopback and per-test key prefixes."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+
+import pytest
+
+from elastic import env
+
+
+@pytest.fixture(scope="session")
+def etcd_server() -> Iterator[object]:
+    """A real etcd (``$ELASTIC_ETCD_BINARY`` or ``etcd`` on PATH) for the whole session.
+
+    Skips when no binary is installed, unless ``ELASTIC_REQUIRE_ETCD=1`` (set by CI), which
+    turns the skip into a failure so a missing install can never pass quietly.
+    """
+    from launch.etcd_server import EmbeddedEtcd, EtcdBinaryNotFoundError
+
+    try:
+        server = EmbeddedEtcd()
+    except EtcdBinaryNotFoundError as exc:
+        if os.environ.get(env.REQUIRE_ETCD) == "1":
+            pytest.fail(str(exc))
+        pytest.skip(str(exc))
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def etcd_prefix() -> str:
+    """A key prefix no other test uses, so tests share one etcd without wiping it."""
+    return f"/elastic-test/{uuid.uuid4().hex[:12]}"
