@@ -148,7 +148,7 @@ class EtcdClient:
     def _retrying(self) -> Retrying:
         return Retrying(
             stop=stop_after_delay(self.config.deadline.total_seconds()),
-            wait=wait_exponential_jitter(initial=0.05, max=1.0),
+            wait=wait_exponential_jitter(multiplier=0.05, max=1.0),
             retry=retry_if_exception_type(_Transient),
             before_sleep=before_sleep_log(logger, logging.DEBUG),
             reraise=True,

@@ -1,0 +1,171 @@
+"""The etcd client, rendezvous backend and store against a real etcd server on loopback."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import time
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from torch.distributed import DistStoreError, PrefixStore
+from torch.distributed.elastic.rendezvous import RendezvousStateError
+
+from elastic.errors import ConfigError, EtcdUnavailableError
+from elastic.etcd import EtcdClient, EtcdConfig, Lease, parse_endpoints
+from elastic.rendezvous import STATE_MAGIC, EtcdV3RendezvousBackend
+from elastic.store import EtcdV3Store
+from launch.etcd_server import EmbeddedEtcd, EtcdBinaryNotFoundError, find_etcd_binary
+
+pytestmark = pytest.mark.etcd
+
+
+def _client(endpoint: str, deadline: float = 5.0) -> EtcdClient:
+    return EtcdClient(EtcdConfig(
+        endpoints=(endpoint,), request_timeout=timedelta(seconds=1),
+        deadline=timedelta(seconds=deadline),
+    ))
+
+
+@pytest.fixture
+def client(etcd_server: Any) -> EtcdClient:
+    return _client(etcd_server.endpoint)
+
+
+@pytest.fixture
+def backend(client: EtcdClient, etcd_prefix: str) -> Any:
+    return EtcdV3RendezvousBackend(client, "job", key_prefix=etcd_prefix)
+
+
+def test_get_state_returns_none_when_no_state_exists(backend: Any) -> None:
+    assert backend.get_state() is None
+
+
+def test_set_state_with_no_token_creates_the_state_once(backend: Any) -> None:
+    state, token, has_set = backend.set_state(b"first")
+    assert (state, has_set) == (b"first", True)
+    state2, token2, has_set2 = backend.set_state(b"second")
+    assert (state2, token2, has_set2) == (b"first", token, False)
+
+
+def test_set_state_with_a_stale_token_returns_the_current_state(backend: Any) -> None:
+    _, token, _ = backend.set_state(b"a")
+    _, newer, has_set = backend.set_state(b"b", token)
+    assert has_set and newer != token
+    state, current, has_set = backend.set_state(b"c", token)
+    assert (state, current, has_set) == (b"b", newer, False)
+    assert backend.get_state() == (b"b", newer)
+
+
+def test_set_state_with_an_invalid_token_never_writes(backend: Any) -> None:
+    backend.set_state(b"a")
+    state, _, has_set = backend.set_state(b"evil", "not-a-revision")
+    assert (state, has_set) == (b"a", False)
+
+
+def test_corrupt_state_bytes_raise_a_one_sentence_error(
+    backend: Any, client: EtcdClient
+) -> None:
+    client.put(backend.key, b"garbage")
+    with pytest.raises(RendezvousStateError, match=r"^The rendezvous state under etcd key .* is "
+                       r"corrupt .*; delete the key or use a new --job-id\.$"):
+        backend.get_state()
+    assert not STATE_MAGIC.startswith(b"garbage")
+
+
+def test_store_blocks_until_a_key_is_set_and_times_out_otherwise(
+    client: EtcdClient, etcd_prefix: str
+) -> None:
+    store = EtcdV3Store(client, etcd_prefix + "/store", timedelta(seconds=1))
+    prefixed = PrefixStore("round0", store)
+    prefixed.set("a", b"1")
+    assert prefixed.get("a") == b"1"
+    assert prefixed.multi_get(["a"]) == [b"1"]
+    assert store.add("counter", 2) == 2 and store.add("counter", 3) == 5
+    assert store.compare_set("cas", "", "x") == b"x"
+    assert store.compare_set("cas", "wrong", "y") == b"x"
+    assert store.compare_set("cas", "x", "y") == b"y"
+    assert store.check(["counter"]) and not store.check(["absent"])
+    assert store.delete_key("counter") and not store.check(["counter"])
+    with pytest.raises(DistStoreError, match=r"waiting for store keys \['absent'\]"):
+        store.get("absent")
+
+
+def test_store_add_is_atomic_under_concurrency(client: EtcdClient, etcd_prefix: str) -> None:
+    import threading
+
+    store = EtcdV3Store(client, etcd_prefix + "/store")
+    threads = [threading.Thread(target=lambda: [store.add("n", 1) for _ in range(10)])
+               for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert store.get("n") == b"40"
+
+
+def test_lease_keys_vanish_when_the_lease_is_revoked(client: EtcdClient, etcd_prefix: str) -> None:
+    lease = Lease(client, ttl=2)
+    client.put(etcd_prefix + "/member", b"x", lease=lease.id)
+    time.sleep(2.5)  # longer than the TTL: the keep-alive thread must have refreshed it
+    assert client.get(etcd_prefix + "/member") is not None
+    lease.revoke()
+    assert client.get(etcd_prefix + "/member") is None
+
+
+def test_unparsable_endpoint_is_a_one_sentence_error() -> None:
+    with pytest.raises(ConfigError, match=r"^etcd endpoint \('nohost'\) is not host:port; "):
+        parse_endpoints("127.0.0.1:2379,nohost")
+
+
+def test_unreachable_etcd_fails_within_the_deadline_naming_the_endpoint() -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    start = time.monotonic()
+    with pytest.raises(EtcdUnavailableError, match=rf"^etcd \(127\.0\.0\.1:{port}\) did not "):
+        _client(f"127.0.0.1:{port}", deadline=1.0).get("/x")
+    assert time.monotonic() - start < 10
+
+
+def test_missing_binary_error_says_how_to_install_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PATH", "/nonexistent")
+    monkeypatch.delenv("ELASTIC_ETCD_BINARY", raising=False)
+    with pytest.raises(EtcdBinaryNotFoundError, match=r"^etcd binary not found on PATH; install"):
+        find_etcd_binary()
+
+
+def test_client_recovers_after_etcd_is_killed_and_restarted(tmp_path: Any) -> None:
+    with EmbeddedEtcd(data_dir=str(tmp_path / "data")) as server:
+        client = _client(server.endpoint, deadline=20)
+        client.put("/k", b"before")
+        server.kill()
+        with pytest.raises(EtcdUnavailableError):
+            _client(server.endpoint, deadline=0.5).get("/k")
+        server.start()
+        assert client.get("/k") is not None and client.get("/k").value == b"before"  # type: ignore[union-attr]
+
+
+def test_a_stopped_etcd_makes_calls_time_out_instead_of_hanging(tmp_path: Any) -> None:
+    with EmbeddedEtcd() as server:
+        assert server.pid is not None
+        os.kill(server.pid, signal.SIGSTOP)
+        try:
+            start = time.monotonic()
+            with pytest.raises(EtcdUnavailableError):
+                _client(server.endpoint, deadline=1.0).get("/k")
+            assert time.monotonic() - start < 15
+        finally:
+            os.kill(server.pid, signal.SIGCONT)
+
+
+def test_client_fails_over_to_the_next_endpoint(etcd_server: Any) -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        dead = f"127.0.0.1:{sock.getsockname()[1]}"
+    client = EtcdClient(EtcdConfig(endpoints=(dead, etcd_server.endpoint),
+                                   request_timeout=timedelta(seconds=1)))
+    client.put("/failover", b"ok")
+    assert client.get("/failover") is not None
