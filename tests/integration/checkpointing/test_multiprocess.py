@@ -35,6 +35,46 @@ def _save_worker(rank: int, world: int, port: int, root: str) -> None:
         dist.destroy_process_group()
 
 
+def _load_worker(rank: int, world: int, port: int, root: str) -> None:
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timedelta(seconds=60))
+    dist.init_process_group(
+        "gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=60)
+    )
+    try:
+        model, optim = make_model_and_optimizer()
+        train_steps(model, optim, 3)
+        expected = flat_state(model, optim)
+        model2, optim2 = make_model_and_optimizer(seed=7 + rank)
+        train_steps(model2, optim2, 1)
+        extra: dict[str, object] = {"step": 0}
+        with CheckpointManager(root) as mgr:
+            info = mgr.load({"app": ModelOptimizerState(model2, optim2, extra=extra)})
+        assert info is not None and info.step == 3 and info.world_size == 1
+        assert extra == {"step": 3}
+        assert_bit_identical(expected, flat_state(model2, optim2))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_one_rank_save_is_restored_on_two_ranks_bit_identical(tmp_path: Path) -> None:
+    model, optim = make_model_and_optimizer()
+    train_steps(model, optim, 3)
+    with CheckpointManager(str(tmp_path)) as mgr:
+        state = {"app": ModelOptimizerState(model, optim, extra={"step": 3})}
+        mgr.save(3, state).committed.result(timeout=60)
+    world = 2
+    master = dist.TCPStore(
+        "127.0.0.1",
+        0,
+        world,
+        is_master=True,
+        wait_for_workers=False,
+        timeout=timedelta(seconds=60),
+    )
+    mp.spawn(_load_worker, args=(world, master.port, str(tmp_path)), nprocs=world, join=True)
+    del master
+
+
 def test_two_ranks_save_replicated_state_once_and_one_rank_restores_it_bit_identical(
     tmp_path: Path,
 ) -> None:
