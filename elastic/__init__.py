@@ -12,14 +12,28 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from elastic.batching import BatchPlan, plan_batches
+    from elastic.context import ElasticContext, World, init
+    from elastic.loop import ElasticLoop
     from elastic.sampler import ElasticSampler
 
-__all__ = ["BatchPlan", "ElasticSampler", "plan_batches"]
+__all__ = [
+    "BatchPlan",
+    "ElasticContext",
+    "ElasticLoop",
+    "ElasticSampler",
+    "World",
+    "init",
+    "plan_batches",
+]
 
 _LAZY_EXPORTS = {
     "ElasticSampler": "elastic.sampler",
     "BatchPlan": "elastic.batching",
     "plan_batches": "elastic.batching",
+    "ElasticContext": "elastic.context",
+    "World": "elastic.context",
+    "init": "elastic.context",
+    "ElasticLoop": "elastic.loop",
 }
 
 

@@ -103,6 +103,7 @@ class ElasticSampler(Sampler[int]):
         self._drop_last = drop_last
         self._epoch = 0
         self._consumed = 0
+        self._global_batch: int | None = None
         if rank is None or world_size is None:
             default_rank, default_world = _default_world()
             rank = default_rank if rank is None else rank
@@ -162,7 +163,8 @@ class ElasticSampler(Sampler[int]):
         """Moves the cursor past the samples all ranks trained in one optimizer step.
 
         Call it after every optimizer step with the global number of positions consumed
-        (``per-rank samples * world_size``). It never rolls into the next epoch: counts that
+        (``per-rank samples * world_size``). In stream mode (:meth:`set_global_batch_size`) it
+        rolls into the next epoch. Otherwise it never does: counts that
         reach the end of the real samples finish the epoch (padding is not counted), and the
         loop starts the next one with :meth:`set_epoch`.
 
@@ -170,6 +172,16 @@ class ElasticSampler(Sampler[int]):
             ValueError: If the count is negative or exceeds what the current world still has
                 to yield in this epoch.
         """
+        if self._global_batch is not None:
+            if num_global_samples < 0:
+                raise ValueError(f"advance({num_global_samples}) must be non-negative.")
+            consumed = self._consumed + num_global_samples
+            length = self._epoch_length()
+            while consumed >= length:
+                consumed -= length
+                self._epoch += 1
+            self._consumed = consumed
+            return
         available = len(self) * self._world_size
         if num_global_samples < 0 or num_global_samples > available:
             raise ValueError(
@@ -197,14 +209,85 @@ class ElasticSampler(Sampler[int]):
         self._rank = rank
         self._world_size = world_size
 
+    def set_global_batch_size(self, global_batch_size: int) -> None:
+        """Switches to an endless stream of fixed global batches (what :class:`ElasticLoop` uses).
+
+        The stream is the epoch orders one after another, starting at the cursor; each rank
+        yields ``stream[rank::world_size]`` without end, and :meth:`advance` rolls the cursor
+        into the next epoch. Every optimizer step therefore trains exactly
+        ``global_batch_size`` samples, with no padding, and each sample of each epoch exactly
+        once. ``drop_last`` rule in this mode: when false, a step may straddle two epochs (the
+        tail of one and the head of the next); when true, the last
+        ``dataset_size % global_batch_size`` positions of every epoch's order are never
+        trained, so that no step straddles epochs.
+
+        Raises:
+            ConfigError: If the batch is not positive, or is larger than the dataset with
+                ``drop_last``, or the world size does not divide it.
+        """
+        if global_batch_size < 1:
+            raise ConfigError(f"global_batch_size ({global_batch_size}) must be positive.")
+        if self._drop_last and global_batch_size > self._dataset_size:
+            raise ConfigError(
+                f"global batch size ({global_batch_size}) is larger than the dataset "
+                f"({self._dataset_size}) with drop_last=True, so no step could be trained; "
+                "use a smaller global batch or drop_last=False."
+            )
+        if global_batch_size % self._world_size != 0:
+            raise ConfigError(
+                f"global batch size ({global_batch_size}) is not divisible by world size "
+                f"({self._world_size}); use a world size that divides it."
+            )
+        self._global_batch = global_batch_size
+
+    @property
+    def global_batch_size(self) -> int | None:
+        """The fixed global batch of stream mode, or ``None`` in per-epoch mode."""
+        return self._global_batch
+
+    def _epoch_length(self) -> int:
+        """Positions of each epoch's order the stream uses."""
+        if self._global_batch is not None and self._drop_last:
+            return self._dataset_size - self._dataset_size % self._global_batch
+        return self._dataset_size
+
+    def _stream(self) -> Iterator[int]:
+        epoch, start = self._epoch, self._consumed
+        length = self._epoch_length()
+        position = 0
+        while True:
+            order = self._order_of(epoch)[start:length].tolist()
+            for index in order:
+                if position % self._world_size == self._rank:
+                    yield index
+                position += 1
+            epoch, start = epoch + 1, 0
+
+    def stream_positions(self, count: int) -> list[tuple[int, int]]:
+        """``(epoch, index)`` of the next ``count`` stream positions, over all ranks.
+
+        Used by audits: the samples the next ``count // global_batch_size`` steps train.
+        """
+        result: list[tuple[int, int]] = []
+        epoch, start = self._epoch, self._consumed
+        length = self._epoch_length()
+        while len(result) < count:
+            order = self._order_of(epoch)[start:length].tolist()
+            result.extend((epoch, index) for index in order[: count - len(result)])
+            epoch, start = epoch + 1, 0
+        return result
+
     # -- iteration --------------------------------------------------------------------------
 
     def epoch_order(self) -> torch.Tensor:
         """The full order of the current epoch (a 1-D int64 tensor of ``dataset_size``)."""
+        return self._order_of(self._epoch)
+
+    def _order_of(self, epoch: int) -> torch.Tensor:
         if not self._shuffle:
             return torch.arange(self._dataset_size, dtype=torch.int64)
         generator = torch.Generator()
-        generator.manual_seed(self._seed + self._epoch)
+        generator.manual_seed(self._seed + epoch)
         return torch.randperm(self._dataset_size, generator=generator)
 
     def _global_rest(self) -> torch.Tensor:
@@ -219,11 +302,17 @@ class ElasticSampler(Sampler[int]):
         return torch.cat([rest, rest.repeat(repeats)[:pad]])
 
     def __iter__(self) -> Iterator[int]:
+        if self._global_batch is not None:
+            return self._stream()
         shard: list[int] = self._global_rest()[self._rank :: self._world_size].tolist()
         return iter(shard)
 
     def __len__(self) -> int:
+        """Indices this rank yields; in stream mode, those left in the current epoch."""
         real = self.remaining
+        if self._global_batch is not None:
+            real = max(0, self._epoch_length() - self._consumed)
+            return -(-(real - self._rank) // self._world_size) if real > self._rank else 0
         if self._drop_last:
             return real // self._world_size
         return -(-real // self._world_size)

@@ -1,0 +1,255 @@
+"""``elastic.init()``: one call that turns torchrun's environment into a ready worker.
+
+Forward compatibility with in-place reconfiguration (issue 5): the world a worker belongs to
+may change while the process lives. :class:`ElasticContext` therefore exposes the *current*
+world through read-only properties (read them when needed instead of caching them) plus a
+``generation`` counter that increases on every change; :class:`~elastic.loop.ElasticLoop`
+re-plans batches and re-shards the sampler whenever it sees a new generation. In the
+restart-based path the generation is always 0, because every change starts new processes.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from elastic import env
+from elastic.errors import ConfigError
+from elastic.process_group import (
+    ProcessGroups,
+    build_process_groups,
+    destroy_process_groups,
+    lower_timeouts,
+)
+
+__all__ = ["ElasticContext", "World", "init"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class World:
+    """One membership of the job, as torchrun's agent and elastic-run describe it.
+
+    Attributes:
+        rank: Global rank of this worker.
+        world_size: Number of workers.
+        local_rank: Rank on this node.
+        local_world_size: Workers on this node.
+        group_rank: Rank of this node.
+        round: elastic-run's rendezvous round (0 outside elastic-run).
+        restart_count: ``TORCHELASTIC_RESTART_COUNT``.
+        run_id: The job id.
+    """
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    group_rank: int
+    round: int
+    restart_count: int
+    run_id: str
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1 or not 0 <= self.rank < self.world_size:
+            raise ConfigError(
+                f"rank ({self.rank}) must be in [0, world size ({self.world_size})); start "
+                "the script with elastic-run or torchrun, which set RANK and WORLD_SIZE."
+            )
+
+    @classmethod
+    def from_env(cls) -> World:
+        """Reads the variables torchrun's agent and elastic-run set for each worker."""
+
+        def number(name: str, default: int) -> int:
+            raw = os.environ.get(name, str(default))
+            try:
+                return int(raw)
+            except ValueError:
+                raise ConfigError(
+                    f"environment variable {name} ({raw!r}) must be an integer; start the "
+                    "script with elastic-run or torchrun."
+                ) from None
+
+        world_size = number("WORLD_SIZE", 1)
+        return cls(
+            rank=number("RANK", 0),
+            world_size=world_size,
+            local_rank=number("LOCAL_RANK", 0),
+            local_world_size=number("LOCAL_WORLD_SIZE", world_size),
+            group_rank=number("GROUP_RANK", 0),
+            round=number(env.ROUND, 0),
+            restart_count=number("TORCHELASTIC_RESTART_COUNT", 0),
+            run_id=os.environ.get(env.RUN_ID) or os.environ.get("TORCHELASTIC_RUN_ID", "none"),
+        )
+
+
+class ElasticContext:
+    """A worker's place in the job: world, device and process groups.
+
+    Built by :func:`init`. Every property reflects the current world (see the module
+    docstring); ``generation`` counts changes of it inside this process.
+    """
+
+    _world: World
+    _groups: ProcessGroups
+    _device: torch.device
+    _train_timeout: timedelta | None
+    _timeouts_lowered: bool
+    _closed: bool
+    generation: int
+
+    def __init__(
+        self,
+        world: World,
+        groups: ProcessGroups,
+        device: torch.device,
+        *,
+        train_timeout: timedelta | None,
+    ) -> None:
+        self._world = world
+        self._groups = groups
+        self._device = device
+        self._train_timeout = train_timeout
+        self._timeouts_lowered = False
+        self._closed = False
+        self.generation = 0
+
+    @property
+    def world(self) -> World:
+        """The current membership."""
+        return self._world
+
+    @property
+    def rank(self) -> int:
+        """Global rank of this worker."""
+        return self._world.rank
+
+    @property
+    def world_size(self) -> int:
+        """Number of workers (data-parallel ranks)."""
+        return self._world.world_size
+
+    @property
+    def local_rank(self) -> int:
+        """Rank on this node."""
+        return self._world.local_rank
+
+    @property
+    def round(self) -> int:
+        """elastic-run's rendezvous round."""
+        return self._world.round
+
+    @property
+    def is_leader(self) -> bool:
+        """True on global rank 0 (print, log metrics there)."""
+        return self._world.rank == 0
+
+    @property
+    def device(self) -> torch.device:
+        """``cuda:<local_rank>`` under NCCL, else CPU."""
+        return self._device
+
+    @property
+    def backend(self) -> str:
+        """Backend of the training group."""
+        return self._groups.backend
+
+    @property
+    def process_group(self) -> dist.ProcessGroup:
+        """The training (default) process group."""
+        return self._groups.default
+
+    @property
+    def checkpoint_group(self) -> dist.ProcessGroup:
+        """The gloo group for checkpoint collectives (pass it to ``CheckpointManager``)."""
+        return self._groups.checkpoint
+
+    def after_first_step(self) -> None:
+        """Lowers the training timeout once every rank has run a step (idempotent)."""
+        if self._timeouts_lowered or self._train_timeout is None or self._closed:
+            return
+        self._timeouts_lowered = True
+        lower_timeouts(self._groups, self._train_timeout)
+
+    def close(self) -> None:
+        """Destroys the process groups; also runs at interpreter exit. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        destroy_process_groups()
+
+    def __repr__(self) -> str:
+        w = self._world
+        return (
+            f"ElasticContext(rank={w.rank}, world_size={w.world_size}, round={w.round}, "
+            f"backend={self.backend!r}, device={self._device})"
+        )
+
+
+def _pick_backend(backend: str | None) -> str:
+    if backend is None:
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    if backend not in ("nccl", "gloo"):
+        raise ConfigError(f"backend ({backend!r}) must be 'nccl', 'gloo' or None (auto).")
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise ConfigError(
+            "backend ('nccl') needs CUDA, which is not available; pass None or 'gloo'."
+        )
+    return backend
+
+
+def init(
+    backend: str | None = None,
+    *,
+    init_timeout: timedelta = timedelta(minutes=10),
+    train_timeout: timedelta | None = timedelta(seconds=60),
+) -> ElasticContext:
+    """Joins the current round: reads the environment, sets the device, builds the groups.
+
+    Args:
+        backend: ``"nccl"``, ``"gloo"`` or ``None`` (NCCL when CUDA is available, else gloo).
+        init_timeout: Timeout of process-group creation and of collectives until the first
+            step has completed on every rank.
+        train_timeout: Timeout of training collectives after the first step, so that a dead
+            peer surfaces as an error within this time rather than a hang (gloo notices a
+            closed connection at once; NCCL relies on this timeout). ``None`` keeps
+            ``init_timeout``.
+
+    Returns:
+        The context; its groups are destroyed at interpreter exit (or by ``close()``).
+
+    Raises:
+        ConfigError: If the backend or the environment is invalid.
+    """
+    if init_timeout <= timedelta(0) or (
+        train_timeout is not None and train_timeout <= timedelta(0)
+    ):
+        raise ConfigError(
+            f"timeouts (init {init_timeout}, train {train_timeout}) must be positive."
+        )
+    chosen = _pick_backend(backend)
+    world = World.from_env()
+    if chosen == "nccl":
+        device = torch.device("cuda", world.local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    groups = build_process_groups(
+        chosen, rank=world.rank, world_size=world.world_size, device=device,
+        init_timeout=init_timeout,
+    )
+    ctx = ElasticContext(world, groups, device, train_timeout=train_timeout)
+    atexit.register(ctx.close)
+    logger.info(
+        "joined round %d of run %s as rank %d of %d (backend %s, restart %d)",
+        world.round, world.run_id, world.rank, world.world_size, chosen, world.restart_count,
+    )
+    return ctx

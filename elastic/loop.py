@@ -1,0 +1,372 @@
+"""``ElasticLoop``: resume, fixed global batch, periodic checkpoints and SIGTERM drain.
+
+The user's loop stays a plain PyTorch loop; the object only decides *which* step runs next,
+how a step is split into micro-batches on the current world, and when state is saved::
+
+    with elastic.ElasticLoop(ctx, state=..., checkpoint=mgr, sampler=sampler, max_steps=1000,
+                             checkpoint_interval=100, global_batch_size=256,
+                             micro_batch_size=32) as loop:
+        loader = DataLoader(dataset, batch_size=loop.micro_batch_size, sampler=sampler)
+        for step in loop:
+            for x, y in loop.micro_batches(loader, model):
+                loop.scale_loss(loss_fn(model(x), y)).backward()
+            optimizer.step(); optimizer.zero_grad()
+            loop.end_step()
+
+Guarantees (restart-based path):
+
+* Entering the loop loads the newest committed checkpoint (user state, step, sampler cursor,
+  RNG) or starts fresh; a checkpoint that does not fit the state is a :class:`ConfigError`
+  raised before anything is written.
+* Step ``s`` always trains stream positions ``[s * G, (s + 1) * G)`` of the sampler's epoch
+  orders (``G`` the global batch), split over whatever world exists, and the gradient is the
+  mean over those ``G`` samples, so the optimisation does not depend on the world size.
+* A failure loses at most ``checkpoint_interval`` steps: they are redone from the last commit.
+* SIGTERM sets a drain flag; all ranks agree on it at the next step boundary (a one-element
+  all-reduce), save that step, wait for the commit up to ``drain_timeout`` and stop iterating.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import random
+import signal
+import threading
+import time
+from collections.abc import Iterable, Iterator, Mapping
+from datetime import timedelta
+from types import FrameType, TracebackType
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.stateful import Stateful
+
+from elastic.batching import BatchPlan, plan_batches
+from elastic.errors import ConfigError
+
+if TYPE_CHECKING:
+    from checkpointing import CheckpointManager
+    from elastic.context import ElasticContext
+    from elastic.sampler import ElasticSampler
+
+__all__ = ["ElasticLoop"]
+
+logger = logging.getLogger(__name__)
+
+_LOOP_KEY = "elastic"
+
+
+class _LoopState(Stateful):
+    """Step, sampler cursor, global batch and RNG state, saved under ``"elastic"``."""
+
+    def __init__(self, loop: ElasticLoop) -> None:
+        self._loop = loop
+
+    def state_dict(self) -> dict[str, Any]:
+        loop = self._loop
+        state: dict[str, Any] = {
+            "step": loop.step,
+            "global_batch_size": loop.global_batch_size,
+            "torch_rng": torch.get_rng_state(),
+            "python_rng": random.getstate(),
+        }
+        if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+            state["cuda_rng"] = torch.cuda.get_rng_state()
+        if loop.sampler is not None:
+            state["sampler"] = loop.sampler.state_dict()
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._loop._apply_loaded(state_dict)
+
+
+class ElasticLoop:
+    """Drives the steps of an elastic job; see the module docstring for an example.
+
+    Args:
+        ctx: The context from :func:`elastic.init` (``None``: single process, no groups).
+        state: What to checkpoint besides the loop's own state: ``Stateful`` objects (e.g.
+            ``ModelOptimizerState``, an LR scheduler), tensors or dicts.
+        checkpoint: The manager to save to and restore from (``None``: no checkpoints).
+        sampler: The data sampler; the loop switches it to a stream of fixed global batches,
+            re-shards it to the world and saves its cursor.
+        max_steps: Optimizer steps of the whole job.
+        checkpoint_interval: Save every this many steps (and at the last step and on drain).
+        global_batch_size: Samples per optimizer step over all ranks (fixed for the job).
+        micro_batch_size: Largest per-rank forward/backward batch; ``None`` means no
+            accumulation beyond what the world requires (the per-rank share).
+        drain_timeout: How long a SIGTERM drain waits for its final checkpoint to commit.
+        install_signal_handler: Install the SIGTERM drain handler (main thread only).
+
+    Raises:
+        ConfigError: On invalid values or a world that cannot split the global batch.
+    """
+
+    def __init__(
+        self,
+        ctx: ElasticContext | None,
+        *,
+        state: Mapping[str, Any],
+        checkpoint: CheckpointManager | None,
+        sampler: ElasticSampler | None,
+        max_steps: int,
+        checkpoint_interval: int,
+        global_batch_size: int,
+        micro_batch_size: int | None = None,
+        drain_timeout: timedelta = timedelta(seconds=25),
+        install_signal_handler: bool = True,
+    ) -> None:
+        if max_steps < 0:
+            raise ConfigError(f"max_steps ({max_steps}) must be non-negative.")
+        if checkpoint_interval < 1:
+            raise ConfigError(f"checkpoint_interval ({checkpoint_interval}) must be at least 1.")
+        if _LOOP_KEY in state:
+            raise ConfigError(f"state key ({_LOOP_KEY!r}) is reserved for the loop; rename it.")
+        self.ctx = ctx
+        self.checkpoint = checkpoint
+        self.sampler = sampler
+        self.max_steps = max_steps
+        self.checkpoint_interval = checkpoint_interval
+        self.global_batch_size = global_batch_size
+        self.drain_timeout = drain_timeout
+        self._requested_micro = micro_batch_size
+        self._user_state = dict(state)
+        self._install_signal_handler = install_signal_handler
+        world = ctx.world_size if ctx is not None else 1
+        rank = ctx.rank if ctx is not None else 0
+        self.plan: BatchPlan = plan_batches(
+            global_batch_size, micro_batch_size or global_batch_size, world
+        )
+        if sampler is not None:
+            sampler.reshard(rank, world)
+            sampler.set_global_batch_size(global_batch_size)
+        #: Completed optimizer steps; the index of the next step to run.
+        self.step = 0
+        #: Step the loop resumed from (0 on a fresh start).
+        self.resumed_from = 0
+        self._drain = threading.Event()
+        self._drained = False
+        self._saved_step = -1
+        self._previous_handler: Any = None
+        self._batches: Iterator[Any] | None = None
+        self._loader: Iterable[Any] | None = None
+        self._restored = False
+
+    # -- batch plan -------------------------------------------------------------------------
+
+    @property
+    def grad_accum_steps(self) -> int:
+        """Micro-batches per rank per optimizer step on the current world."""
+        return self.plan.grad_accum_steps
+
+    @property
+    def micro_batch_size(self) -> int:
+        """Samples per micro-batch on the current world (use it as the DataLoader batch)."""
+        return self.plan.micro_batch_size
+
+    @property
+    def loss_scale(self) -> float:
+        """Factor for each micro-batch's *mean* loss so that the accumulated, rank-averaged
+        gradient is the mean over the global batch."""
+        return self.plan.loss_scale
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss * loss_scale`` (``loss`` is a micro-batch's mean loss)."""
+        return loss * self.plan.loss_scale
+
+    def micro_batches(
+        self, loader: Iterable[Any], model: torch.nn.Module | None = None
+    ) -> Iterator[Any]:
+        """Yields this step's ``grad_accum_steps`` micro-batches from ``loader``.
+
+        The loader's iterator is kept across steps (it is endless over the sampler's stream),
+        so DataLoader workers are started once. With a DDP ``model``, all but the last
+        micro-batch run under ``model.no_sync()``: gradients are all-reduced once per step.
+        Call ``backward()`` before asking for the next micro-batch.
+
+        Raises:
+            ConfigError: If the loader's batch size is not :attr:`micro_batch_size`.
+        """
+        batch_size = getattr(loader, "batch_size", None)
+        if batch_size is not None and batch_size != self.plan.micro_batch_size:
+            raise ConfigError(
+                f"DataLoader batch_size ({batch_size}) differs from the micro batch of this "
+                f"world ({self.plan.micro_batch_size}); build the loader with "
+                "batch_size=loop.micro_batch_size."
+            )
+        if self._batches is None or self._loader is not loader:
+            self._loader = loader
+            self._batches = iter(loader)
+        no_sync = getattr(model, "no_sync", None)
+        for index in range(self.plan.grad_accum_steps):
+            batch = next(self._batches)
+            if no_sync is not None and index < self.plan.grad_accum_steps - 1:
+                with no_sync():
+                    yield batch
+            else:
+                yield batch
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    def _full_state(self) -> dict[str, Any]:
+        return {**self._user_state, _LOOP_KEY: _LoopState(self)}
+
+    def restore(self) -> int:
+        """Loads the newest committed checkpoint (or starts fresh); returns the next step.
+
+        Raises:
+            ConfigError: If the checkpoint does not fit this job's state or global batch.
+        """
+        self._restored = True
+        if self.checkpoint is None:
+            return self.step
+        from checkpointing.errors import CheckpointError
+
+        try:
+            info = self.checkpoint.load(self._full_state())
+        except (CheckpointError, ConfigError):
+            raise
+        except Exception as exc:  # DCP's key/shape mismatch errors are long and varied
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise ConfigError(
+                f"the newest checkpoint in ({self.checkpoint.storage.url}) does not fit this "
+                f"job's model or state ({first[:200]}); point the checkpoint URL at a new "
+                "directory or restore the code that wrote it."
+            ) from exc
+        if info is None:
+            logger.info("fresh start: no committed checkpoint")
+            return self.step
+        self.resumed_from = self.step
+        self._saved_step = self.step
+        logger.info("resumed at step %d from %s", self.step, info.path)
+        return self.step
+
+    def _apply_loaded(self, state: Mapping[str, Any]) -> None:
+        saved_batch = int(state["global_batch_size"])
+        if saved_batch != self.global_batch_size:
+            raise ConfigError(
+                f"the checkpoint was trained with global batch size ({saved_batch}) but this "
+                f"run asks for ({self.global_batch_size}); keep the global batch of a job "
+                "fixed or start it in a new checkpoint directory."
+            )
+        self.step = int(state["step"])
+        torch.set_rng_state(state["torch_rng"])
+        random.setstate(_as_python_rng(state["python_rng"]))
+        if "cuda_rng" in state and torch.cuda.is_available():
+            torch.cuda.set_rng_state(state["cuda_rng"])
+        if self.sampler is not None:
+            if "sampler" not in state:
+                raise ConfigError(
+                    "the checkpoint has no sampler cursor but this job has a sampler; start "
+                    "it in a new checkpoint directory."
+                )
+            self.sampler.load_state_dict(state["sampler"])
+
+    def __enter__(self) -> ElasticLoop:
+        if self._install_signal_handler and threading.current_thread() is threading.main_thread():
+            self._previous_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
+        if not self._restored:
+            self.restore()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close(wait=exc_type is None)
+
+    def close(self, wait: bool = True) -> None:
+        """Waits for the last save (when ``wait``), closes the manager, restores SIGTERM."""
+        if self._previous_handler is not None:
+            signal.signal(signal.SIGTERM, self._previous_handler)
+            self._previous_handler = None
+        if self.checkpoint is not None:
+            self.checkpoint.close(wait=wait)
+
+    def _on_sigterm(self, signum: int, frame: FrameType | None) -> None:
+        # Only a flag: the save needs every rank, so it happens at an agreed step boundary.
+        self._drain.set()
+
+    def request_drain(self) -> None:
+        """Asks the loop to save and stop at the next step boundary (what SIGTERM does)."""
+        self._drain.set()
+
+    @property
+    def drained(self) -> bool:
+        """True when the loop stopped early because of a drain request."""
+        return self._drained
+
+    @property
+    def finished(self) -> bool:
+        """True when ``max_steps`` steps are done."""
+        return self.step >= self.max_steps
+
+    # -- steps ------------------------------------------------------------------------------
+
+    def __iter__(self) -> Iterator[int]:
+        """Yields the index of each step still to run; stops at ``max_steps`` or a drain."""
+        if not self._restored:
+            self.restore()
+        while self.step < self.max_steps and not self._drained:
+            started = self.step
+            yield started
+            if self.step == started:
+                raise RuntimeError(
+                    f"step ({started}) ended without loop.end_step(); call it after "
+                    "optimizer.step()."
+                )
+
+    def end_step(self) -> None:
+        """Closes the step: advances the sampler by the global batch, saves when due, and
+        agrees with every rank on draining."""
+        if self.sampler is not None:
+            self.sampler.advance(self.global_batch_size)
+        self.step += 1
+        if self.ctx is not None:
+            self.ctx.after_first_step()
+        drain = self._agree_on_drain()
+        if drain:
+            self._drained = True
+            self._save(final=True)
+            logger.info("drained at step %d", self.step)
+        elif self.step >= self.max_steps:
+            self._save(final=True)
+        elif self.step % self.checkpoint_interval == 0:
+            self._save(final=False)
+
+    def _agree_on_drain(self) -> bool:
+        flag = self._drain.is_set()
+        if self.ctx is None or self.ctx.world_size == 1:
+            return flag
+        tensor = torch.tensor([1.0 if flag else 0.0], device=self.ctx.device)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.ctx.process_group)
+        return bool(tensor.item() > 0)
+
+    def _save(self, *, final: bool) -> None:
+        if self.checkpoint is None or self._saved_step == self.step:
+            return
+        self._saved_step = self.step
+        started = time.monotonic()
+        handle = self.checkpoint.save(self.step, self._full_state())
+        if final:
+            timeout = self.drain_timeout.total_seconds() if self._drained else None
+            with contextlib.suppress(Exception):
+                handle.committed.result(timeout=timeout)
+            if handle.committed.done() and handle.committed.exception() is None:
+                logger.info(
+                    "final checkpoint at step %d committed in %.2fs",
+                    self.step, time.monotonic() - started,
+                )
+            else:
+                logger.warning("final checkpoint at step %d did not commit in time", self.step)
+
+
+def _as_python_rng(value: Any) -> tuple[Any, ...]:
+    # DCP round-trips tuples as lists; random.setstate needs the original nesting.
+    if isinstance(value, list):
+        return tuple(_as_python_rng(v) if isinstance(v, list) else v for v in value)
+    return tuple(value)

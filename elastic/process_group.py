@@ -1,0 +1,75 @@
+"""Process groups of one elastic round: the training group and a gloo group for checkpoints.
+
+Timeouts matter more than usual here: a peer that died must surface as an error within
+seconds, not after torch's 10-minute default, so that the agent can start the next round.
+Initialisation gets a long timeout (all ranks of a round start at different speeds); once the
+first step has run on every rank, :func:`lower_timeouts` shortens it for training collectives
+(torchtitan's ``set_pg_timeouts`` pattern: barrier first so no slow rank trips the new value).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["ProcessGroups", "build_process_groups", "destroy_process_groups", "lower_timeouts"]
+
+logger = logging.getLogger(__name__)
+
+# NCCL only raises on a dead peer (instead of hanging) with async error handling on.
+_NCCL_ASYNC_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class ProcessGroups:
+    """The groups of one round.
+
+    Attributes:
+        backend: Backend of the training group (``"nccl"`` or ``"gloo"``).
+        default: The default (training) process group.
+        checkpoint: A gloo group for checkpoint collectives, off the training stream.
+    """
+
+    backend: str
+    default: dist.ProcessGroup
+    checkpoint: dist.ProcessGroup
+
+
+def build_process_groups(
+    backend: str, *, rank: int, world_size: int, device: torch.device, init_timeout: timedelta
+) -> ProcessGroups:
+    """Initialises the default group from torchrun's ``env://`` and a gloo checkpoint group."""
+    if backend == "nccl":
+        os.environ.setdefault(_NCCL_ASYNC_ERROR_HANDLING, "1")
+    dist.init_process_group(
+        backend, init_method="env://", rank=rank, world_size=world_size,
+        timeout=init_timeout, device_id=device if device.type == "cuda" else None,
+    )
+    default = dist.group.WORLD
+    assert default is not None
+    # Always a second group, even under gloo: DCP's collectives run on the checkpoint I/O
+    # thread and must not interleave with the training thread's on one communicator.
+    checkpoint = dist.new_group(backend="gloo", timeout=init_timeout)
+    return ProcessGroups(backend=backend, default=default, checkpoint=checkpoint)
+
+
+def lower_timeouts(groups: ProcessGroups, timeout: timedelta) -> None:
+    """Shortens the training group's timeout after a barrier (so slow starters do not trip it)."""
+    dist.barrier(group=groups.default)
+    # Private but stable since torch 2.2; torchtitan uses the same seam.
+    set_timeout = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
+    if set_timeout is None:
+        logger.warning("this torch cannot lower process-group timeouts; keeping the init value")
+        return
+    set_timeout(timeout, groups.default)
+
+
+def destroy_process_groups() -> None:
+    """Destroys every group of this process (safe to call twice or with none)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
