@@ -14,6 +14,7 @@ imported, so it imports nothing heavy at module level and :func:`torchrun_handle
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Final
@@ -34,6 +35,7 @@ DEFAULTS: Final[dict[str, float]] = {
     "keep_alive_max_attempt": 3.0,
     "read_timeout": 5.0,
     "deadline": 30.0,
+    "member_ttl": 3.0,
 }
 
 
@@ -121,8 +123,6 @@ def _float(params: RendezvousParameters, key: str) -> float:
 
 def create_client(params: RendezvousParameters) -> EtcdClient:
     """Builds the etcd client a rendezvous handler uses from torchrun's parameters."""
-    import os
-
     from elastic import env
     from elastic.etcd import EtcdClient, EtcdConfig, parse_endpoints
 
@@ -156,6 +156,8 @@ def create_rdzv_handler(params: RendezvousParameters) -> RendezvousHandler:
     keep_alive_max_attempt  3        missed heartbeats before a node is dropped
     read_timeout            5        one etcd request
     deadline                30       retrying etcd before the job fails
+    member_ttl              3        lease TTL of a node's member key: a dead node is
+                                     seen by the others within about this long
     key_prefix              /elastic prefix of every key
     protocol                http     ``https`` for TLS (``ca_cert``, ``ssl_cert``,
                                      ``ssl_cert_key`` keys or ``ELASTIC_ETCD_*`` env)
@@ -168,7 +170,15 @@ def create_rdzv_handler(params: RendezvousParameters) -> RendezvousHandler:
     )
 
     from elastic.errors import EtcdUnavailableError
+    from elastic.handler import ElasticRendezvousHandler
+    from elastic.membership import MembershipRegistry
     from elastic.store import EtcdV3Store
+
+    # torch's agent otherwise reuses the rank-0 agent's TCPStore for the workers across rounds,
+    # and new workers can read a dead worker's address from it (pytorch#135712: restarts hang).
+    # Each round's rank-0 worker hosts a fresh store instead. Set here so plain torchrun with
+    # this backend gets the fix too; it is read by torch's handler in this (the agent) process.
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
 
     client = create_client(params)
     key_prefix = str(params.config.get("key_prefix", "/elastic"))
@@ -178,7 +188,7 @@ def create_rdzv_handler(params: RendezvousParameters) -> RendezvousHandler:
         client.get(backend.key)  # fail fast, naming the endpoints, if etcd is unreachable
     except EtcdUnavailableError as exc:
         raise RendezvousConnectionError(str(exc)) from exc
-    handler: RendezvousHandler = DynamicRendezvousHandler.from_backend(
+    inner = DynamicRendezvousHandler.from_backend(
         run_id=params.run_id,
         store=store,
         backend=backend,
@@ -194,7 +204,9 @@ def create_rdzv_handler(params: RendezvousParameters) -> RendezvousHandler:
         keep_alive_interval=int(max(1.0, _float(params, "keep_alive_interval"))),
         keep_alive_max_attempt=int(_float(params, "keep_alive_max_attempt")),
     )
-    return handler
+    registry = MembershipRegistry(client, params.run_id, key_prefix=key_prefix,
+                                  member_ttl=max(1, round(_float(params, "member_ttl"))))
+    return ElasticRendezvousHandler(inner, registry)
 
 
 def torchrun_handler() -> Callable[[RendezvousParameters], RendezvousHandler]:

@@ -94,16 +94,9 @@ def format_status(job_id: str, status: Any, *, now: float | None = None) -> str:
 
 
 def _read(job_id: str, endpoints: str, timeout: float) -> Any:
-    from elastic.etcd import (  # type: ignore[import-not-found]
-        EtcdClient,
-        EtcdConfig,
-        parse_endpoints,
-    )
+    from elastic.etcd import EtcdClient, EtcdConfig, parse_endpoints
+    from elastic.membership import read_job_status
 
-    try:
-        from elastic.membership import read_job_status  # type: ignore[import-not-found]
-    except ImportError:
-        from elastic.handler import read_job_status  # type: ignore[import-not-found,no-redef]
     config = EtcdConfig(endpoints=parse_endpoints(endpoints),
                         request_timeout=timedelta(seconds=timeout))
     client = EtcdClient(config)
