@@ -1,12 +1,23 @@
 """A narrow, typed client for etcd's v3 API over its JSON gateway (``/v3/...``).
 
-Why the gateway rather than gRPC: the ``etcd3`` gRPC client is unmaintained and breaks with
-current protobuf; the JSON gateway is served by every etcd from 3.4 on and needs only
-``requests``. Every call has a timeout, several endpoints are tried in turn, and transient
-failures are retried by one tenacity policy that ends at a deadline, after which
-:class:`~elastic.errors.EtcdUnavailableError` names the endpoints.
+This is the only module that speaks to etcd; everything else uses :class:`EtcdClient`.
 
-The gateway base64-encodes keys and values and sends int64 fields as JSON strings.
+Why ``requests`` on the gateway rather than a client library: the ``etcd3`` gRPC client is
+unmaintained and breaks with current protobuf, and ``etcd3gw`` (the dependency the project
+started with) is itself a thin wrapper over the same gateway that has no endpoint failover, no
+user/password login, no supervised watches and no per-call timeout on its watch streams, so
+wrapping it would mean re-implementing every call anyway. Talking to the gateway directly keeps
+one HTTP session per client, an explicit timeout on every request (a SIGSTOPped etcd would
+otherwise block forever), and lets a compare-and-swap return the current value in the same
+round trip. The gateway is served by every etcd from 3.4 on.
+
+Every call has a timeout, the endpoints are tried in turn, and transient failures are retried by
+one tenacity policy (:data:`RETRY_POLICY`) that ends at the configured deadline, after which
+:class:`~elastic.errors.EtcdUnavailableError` names the endpoints. Leases are kept alive by a
+daemon thread (:class:`Lease`); prefix watches are supervised on daemon threads that reconnect
+and resume (:class:`~elastic._etcd_watch.PrefixWatch`).
+
+Wire notes: the gateway base64-encodes keys and values and sends int64 fields as JSON strings.
 """
 
 from __future__ import annotations
@@ -15,6 +26,7 @@ import base64
 import logging
 import re
 import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Final
@@ -32,11 +44,19 @@ from elastic.errors import ConfigError, EtcdUnavailableError
 
 logger = logging.getLogger(__name__)
 
-_ENDPOINT_RE: Final = re.compile(r"^(?:(https?)://)?([A-Za-z0-9.\-_]+|\[[0-9a-fA-F:]+\]):(\d{1,5})$")
+_ENDPOINT_RE: Final = re.compile(
+    r"^(?:(https?)://)?([A-Za-z0-9.\-_]+|\[[0-9a-fA-F:]+\]):(\d{1,5})/?$"
+)
 
 
 def parse_endpoints(text: str) -> tuple[str, ...]:
     """Parses ``host:port[,host:port...]`` (an ``http(s)://`` scheme is allowed).
+
+    Args:
+        text: the comma-separated endpoint list.
+
+    Returns:
+        The endpoints in the order given, stripped of blanks and trailing slashes.
 
     Raises:
         ConfigError: naming the first endpoint that cannot be parsed.
@@ -50,16 +70,16 @@ def parse_endpoints(text: str) -> tuple[str, ...]:
                 f"etcd endpoint ({item!r}) is not host:port; pass --etcd "
                 "host:port[,host:port...]."
             )
-        endpoints.append(item)
+        endpoints.append(item.rstrip("/"))
     return tuple(endpoints)
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
 class EtcdConfig:
-    """How to reach etcd."""
+    """How to reach etcd. Credentials never appear in the ``repr``."""
 
     endpoints: tuple[str, ...]
-    """``host:port`` client endpoints, tried in turn."""
+    """``host:port`` (or ``scheme://host:port``) client endpoints, tried in turn."""
     protocol: str = "http"
     """``http`` or ``https`` for endpoints given without a scheme."""
     request_timeout: timedelta = timedelta(seconds=5)
@@ -67,18 +87,29 @@ class EtcdConfig:
     deadline: timedelta = timedelta(seconds=10)
     """How long a call may keep retrying transient failures before it gives up."""
     ca_cert: str | None = None
+    """PEM CA bundle that signed the server certificates (TLS)."""
     cert: str | None = None
-    key: str | None = None
+    """PEM client certificate (TLS client authentication)."""
+    key: str | None = field(default=None, repr=False)
+    """PEM private key of ``cert``."""
     username: str | None = None
+    """etcd user (etcd's user/password authentication)."""
     password: str | None = field(default=None, repr=False)
+    """Password of ``username``."""
 
     def __post_init__(self) -> None:
         if not self.endpoints:
             raise ConfigError("no etcd endpoint given; pass --etcd host:port.")
+        if self.protocol not in ("http", "https"):
+            raise ConfigError(f"etcd protocol ({self.protocol!r}) must be http or https.")
         for name in ("request_timeout", "deadline"):
             value = getattr(self, name)
             if value <= timedelta(0):
                 raise ConfigError(f"etcd {name} ({value}) must be positive.")
+        if self.key and not self.cert:
+            raise ConfigError("an etcd client key was given without a certificate; pass both.")
+        if self.password and not self.username:
+            raise ConfigError("an etcd password was given without a username; pass both.")
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,25 +123,41 @@ class KeyValue:
     lease: int = 0
 
 
+MAX_TXN_OPS: Final = 100
+"""Operations per transaction; etcd refuses more than ``--max-txn-ops`` (128 by default)."""
+
+
 class _Transient(Exception):
     """A failure worth retrying on another endpoint or later."""
 
 
-def _b64(data: str | bytes) -> str:
+RETRY_POLICY: Final = Retrying(
+    wait=wait_exponential_jitter(multiplier=0.05, max=1.0),
+    retry=retry_if_exception_type(_Transient),
+    before_sleep=before_sleep_log(logger, logging.DEBUG),
+    reraise=True,
+)
+"""The one retry policy of the etcd boundary; each call copies it with its own deadline."""
+
+
+def b64(data: str | bytes) -> str:
+    """Encodes a key or value for the gateway."""
     raw = data.encode() if isinstance(data, str) else data
     return base64.b64encode(raw).decode()
 
 
-def _prefix_end(prefix: str) -> str:
+def prefix_range_end(prefix: str) -> str:
+    """The (encoded) ``range_end`` that selects every key starting with ``prefix``."""
     raw = bytearray(prefix.encode())
     for i in reversed(range(len(raw))):
         if raw[i] < 0xFF:
             raw[i] += 1
-            return _b64(bytes(raw[: i + 1]))
-    return _b64(b"\0")
+            return b64(bytes(raw[: i + 1]))
+    return b64(b"\0")
 
 
-def _kv(item: dict[str, Any]) -> KeyValue:
+def decode_kv(item: dict[str, Any]) -> KeyValue:
+    """Decodes one gateway ``KeyValue`` (base64 fields, int64 as strings)."""
     return KeyValue(
         key=base64.b64decode(item["key"]).decode(),
         value=base64.b64decode(item.get("value", "")),
@@ -134,115 +181,192 @@ class EtcdClient:
         ]
         self._current = 0
         self._lock = threading.Lock()
-        self._session = requests.Session()
-        self._session.trust_env = False  # proxies must never see etcd traffic
-        if config.ca_cert:
-            self._session.verify = config.ca_cert
-        if config.cert:
-            self._session.cert = (config.cert, config.key) if config.key else config.cert
+        self._auth_lock = threading.Lock()
+        self._session = self.new_session()
         self._token: str | None = None
 
     def __repr__(self) -> str:
         return f"EtcdClient(endpoints={self.config.endpoints!r})"
 
-    def _retrying(self) -> Retrying:
-        return Retrying(
-            stop=stop_after_delay(self.config.deadline.total_seconds()),
-            wait=wait_exponential_jitter(multiplier=0.05, max=1.0),
-            retry=retry_if_exception_type(_Transient),
-            before_sleep=before_sleep_log(logger, logging.DEBUG),
-            reraise=True,
-        )
+    @property
+    def endpoints_text(self) -> str:
+        """The endpoints as the user gave them, for error messages."""
+        return ",".join(self.config.endpoints)
+
+    def new_session(self) -> requests.Session:
+        """An HTTP session with this client's TLS settings (watch streams get their own)."""
+        session = requests.Session()
+        session.trust_env = False  # proxies must never see etcd traffic
+        if self.config.ca_cert:
+            session.verify = self.config.ca_cert
+        if self.config.cert:
+            session.cert = (self.config.cert, self.config.key) if self.config.key else \
+                self.config.cert
+        return session
+
+    def current_url(self) -> str:
+        """Base URL of the endpoint requests go to now."""
+        with self._lock:
+            return self._urls[self._current]
+
+    def rotate(self, failed_url: str) -> None:
+        """Moves on to the next endpoint after ``failed_url`` failed (no-op if already moved)."""
+        with self._lock:
+            if self._urls[self._current] == failed_url:
+                self._current = (self._current + 1) % len(self._urls)
+
+    def auth_headers(self) -> dict[str, str]:
+        """The ``Authorization`` header when user/password authentication is on."""
+        if self.config.username and self._token is None:
+            self._authenticate(None)
+        return {"Authorization": self._token} if self._token else {}
+
+    def reauthenticate(self, stale_token: str | None) -> None:
+        """Logs in again after etcd rejected ``stale_token`` (no-op without credentials)."""
+        self._authenticate(stale_token)
 
     def _post_once(self, path: str, payload: dict[str, Any]) -> dict[str, Any]:
-        with self._lock:
-            index = self._current
-        url = self._urls[index] + path
-        headers = {"Authorization": self._token} if self._token else {}
+        url = self.current_url()
         try:
+            headers = self.auth_headers()
             reply = self._session.post(
-                url, json=payload, headers=headers,
+                url + path, json=payload, headers=headers,
                 timeout=self.config.request_timeout.total_seconds(),
             )
         except requests.RequestException as exc:
-            with self._lock:
-                self._current = (index + 1) % len(self._urls)
-            raise _Transient(str(exc)) from exc
-        if reply.status_code in (401,) or (
-            reply.status_code == 400 and "token" in reply.text and self.config.username
-        ):
-            self._authenticate()
+            self.rotate(url)
+            raise _Transient(f"{url}: {type(exc).__name__}") from exc
+        if reply.status_code == 401 and self.config.username:
+            # An expired or revoked token: log in again, then retry the call.
+            self._authenticate(headers.get("Authorization"))
             raise _Transient("auth token refreshed")
         if reply.status_code >= 500 or reply.status_code in (408, 429):
-            with self._lock:
-                self._current = (index + 1) % len(self._urls)
-            raise _Transient(f"HTTP {reply.status_code}: {reply.text[:200]}")
+            self.rotate(url)
+            raise _Transient(f"{url}: HTTP {reply.status_code} {reply.text[:200].strip()}")
         if reply.status_code != 200:
-            raise EtcdUnavailableError(
-                f"etcd ({url}) rejected the request with HTTP {reply.status_code} "
-                f"({reply.text[:200].strip()}); check the credentials and the etcd version."
-            )
+            raise EtcdUnavailableError(_rejection(url, reply))
         data: dict[str, Any] = reply.json()
         return data
 
-    def _authenticate(self) -> None:
-        if not self.config.username:
+    def _authenticate(self, stale_token: str | None) -> None:
+        username = self.config.username
+        if not username:
             return
-        with self._lock:
-            url = self._urls[self._current]
-        reply = self._session.post(
-            url + "/v3/auth/authenticate",
-            json={"name": self.config.username, "password": self.config.password or ""},
-            timeout=self.config.request_timeout.total_seconds(),
-        )
-        if reply.status_code != 200:
-            raise EtcdUnavailableError(
-                f"etcd ({url}) refused the credentials of user {self.config.username!r}; "
-                "check the username and password."
-            )
-        self._token = str(reply.json()["token"])
+        with self._auth_lock:
+            if self._token is not None and self._token != stale_token:
+                return  # another thread already logged in again
+            url = self.current_url()
+            try:
+                reply = self._session.post(
+                    url + "/v3/auth/authenticate",
+                    json={"name": username, "password": self.config.password or ""},
+                    timeout=self.config.request_timeout.total_seconds(),
+                )
+            except requests.RequestException as exc:
+                self.rotate(url)
+                raise _Transient(f"{url}: {type(exc).__name__}") from exc
+            if reply.status_code >= 500:
+                self.rotate(url)
+                raise _Transient(f"{url}: HTTP {reply.status_code}")
+            if reply.status_code != 200:
+                raise EtcdUnavailableError(
+                    f"etcd ({url}) refused the credentials of user {username!r} "
+                    f"({_grpc_message(reply)}); check ELASTIC_ETCD_USERNAME and "
+                    "ELASTIC_ETCD_PASSWORD."
+                )
+            self._token = str(reply.json()["token"])
 
-    def call(self, path: str, payload: dict[str, Any]) -> dict[str, Any]:
-        """POSTs ``payload`` to ``path`` with retries until the deadline.
+    def call(
+        self, path: str, payload: dict[str, Any], *, deadline: timedelta | None = None
+    ) -> dict[str, Any]:
+        """POSTs ``payload`` to the gateway ``path``, retrying transient failures.
+
+        Args:
+            path: gateway path, e.g. ``/v3/kv/range``.
+            payload: the JSON request.
+            deadline: how long to keep retrying; the configured deadline when ``None``.
+
+        Returns:
+            The decoded JSON reply.
 
         Raises:
-            EtcdUnavailableError: when no endpoint answered within the deadline.
+            EtcdUnavailableError: when no endpoint answered within the deadline, or etcd
+                rejected the request (credentials, permissions, a malformed request).
         """
-        if self.config.username and self._token is None:
-            for attempt in self._retrying():
-                with attempt:
-                    try:
-                        self._authenticate()
-                    except requests.RequestException as exc:
-                        raise _Transient(str(exc)) from exc
+        limit = (deadline or self.config.deadline).total_seconds()
         try:
-            for attempt in self._retrying():
+            for attempt in RETRY_POLICY.copy(stop=stop_after_delay(limit)):
                 with attempt:
                     return self._post_once(path, payload)
         except _Transient as exc:
             raise EtcdUnavailableError(
-                f"etcd ({','.join(self.config.endpoints)}) did not answer within "
-                f"{self.config.deadline.total_seconds():g} s ({exc}); check that etcd is running "
-                "and reachable."
+                f"etcd ({self.endpoints_text}) did not answer within {limit:g} s (last error: "
+                f"{exc}); check that etcd is running and reachable."
             ) from exc
         raise AssertionError("unreachable")  # pragma: no cover
 
     def get(self, key: str) -> KeyValue | None:
         """Returns the key, or ``None`` if it does not exist."""
-        kvs = self.call("/v3/kv/range", {"key": _b64(key)}).get("kvs", [])
-        return _kv(kvs[0]) if kvs else None
+        kvs = self.call("/v3/kv/range", {"key": b64(key)}).get("kvs", [])
+        return decode_kv(kvs[0]) if kvs else None
 
     def get_prefix(self, prefix: str) -> list[KeyValue]:
         """Returns every key under ``prefix``, sorted by key."""
-        reply = self.call("/v3/kv/range", {"key": _b64(prefix), "range_end": _prefix_end(prefix)})
-        return sorted((_kv(i) for i in reply.get("kvs", [])), key=lambda kv: kv.key)
+        return self.snapshot(prefix)[0]
+
+    def snapshot(self, prefix: str) -> tuple[list[KeyValue], int]:
+        """Returns every key under ``prefix`` (sorted) and the revision they were read at."""
+        reply = self.call(
+            "/v3/kv/range", {"key": b64(prefix), "range_end": prefix_range_end(prefix)}
+        )
+        kvs = sorted((decode_kv(i) for i in reply.get("kvs", [])), key=lambda kv: kv.key)
+        return kvs, int(reply["header"]["revision"])
+
+    def get_many(self, keys: Sequence[str]) -> list[KeyValue | None]:
+        """Reads several keys, up to :data:`MAX_TXN_OPS` per round trip; ``None`` if missing."""
+        return self.get_many_at(keys)[0]
+
+    def get_many_at(self, keys: Sequence[str]) -> tuple[list[KeyValue | None], int]:
+        """Like :meth:`get_many`, plus a revision no later than any of the reads."""
+        found: dict[str, KeyValue] = {}
+        revision = 0
+        for start in range(0, len(keys), MAX_TXN_OPS):
+            reply = self.call("/v3/kv/txn", {
+                "success": [{"request_range": {"key": b64(k)}}
+                            for k in keys[start:start + MAX_TXN_OPS]],
+            })
+            revision = revision or int(reply["header"]["revision"])
+            for response in reply.get("responses", []):
+                for raw in response.get("response_range", {}).get("kvs", []):
+                    kv = decode_kv(raw)
+                    found[kv.key] = kv
+        return [found.get(k) for k in keys], revision
+
+    def put_many(self, items: Sequence[tuple[str, bytes]]) -> int:
+        """Writes several keys, up to :data:`MAX_TXN_OPS` atomically per round trip.
+
+        Returns:
+            The revision after the last write.
+        """
+        revision = 0
+        for start in range(0, len(items), MAX_TXN_OPS):
+            reply = self.call("/v3/kv/txn", {
+                "success": [{"request_put": {"key": b64(k), "value": b64(v)}}
+                            for k, v in items[start:start + MAX_TXN_OPS]],
+            })
+            revision = int(reply["header"]["revision"])
+        return revision
 
     def put(self, key: str, value: bytes, *, lease: int = 0) -> int:
-        """Writes ``key``; returns the new revision."""
-        payload: dict[str, Any] = {"key": _b64(key), "value": _b64(value)}
+        """Writes ``key`` (attached to ``lease`` if non-zero); returns the new revision."""
+        payload: dict[str, Any] = {"key": b64(key), "value": b64(value)}
         if lease:
             payload["lease"] = str(lease)
         return int(self.call("/v3/kv/put", payload)["header"]["revision"])
+
+    def create(self, key: str, value: bytes, *, lease: int = 0) -> bool:
+        """Writes ``key`` only if it does not exist; returns whether it was written."""
+        return self.cas(key, value, None, lease=lease)[0]
 
     def cas(
         self, key: str, value: bytes, expected_mod_revision: int | None, *, lease: int = 0
@@ -251,37 +375,39 @@ class EtcdClient:
 
         ``None`` means "only if the key does not exist". One transaction: when the compare
         fails, its failure branch reads the current value, so a lost race costs no extra
-        round trip.
+        round trip. A retried duplicate (the reply to the first attempt was lost) fails its
+        compare and returns the value the first attempt wrote, which the caller must treat as
+        authoritative.
 
         Returns:
             ``(written, current)``: ``current`` is the key after the transaction.
         """
-        compare: dict[str, Any] = {"key": _b64(key), "result": "EQUAL"}
+        compare: dict[str, Any] = {"key": b64(key), "result": "EQUAL"}
         if expected_mod_revision is None:
             compare.update(target="CREATE", create_revision="0")
         else:
             compare.update(target="MOD", mod_revision=str(expected_mod_revision))
-        put: dict[str, Any] = {"key": _b64(key), "value": _b64(value)}
+        put: dict[str, Any] = {"key": b64(key), "value": b64(value)}
         if lease:
             put["lease"] = str(lease)
         reply = self.call("/v3/kv/txn", {
             "compare": [compare],
-            "success": [{"request_put": put}, {"request_range": {"key": _b64(key)}}],
-            "failure": [{"request_range": {"key": _b64(key)}}],
+            "success": [{"request_put": put}, {"request_range": {"key": b64(key)}}],
+            "failure": [{"request_range": {"key": b64(key)}}],
         })
         written = bool(reply.get("succeeded", False))
         responses = reply.get("responses", [])
         kvs = responses[-1].get("response_range", {}).get("kvs", []) if responses else []
-        return written, (_kv(kvs[0]) if kvs else None)
+        return written, (decode_kv(kvs[0]) if kvs else None)
 
     def delete(self, key: str) -> int:
         """Deletes ``key``; returns how many keys were deleted."""
-        return int(self.call("/v3/kv/deleterange", {"key": _b64(key)}).get("deleted", 0))
+        return int(self.call("/v3/kv/deleterange", {"key": b64(key)}).get("deleted", 0))
 
     def delete_prefix(self, prefix: str) -> int:
-        """Deletes every key under ``prefix``."""
+        """Deletes every key under ``prefix``; returns how many keys were deleted."""
         reply = self.call(
-            "/v3/kv/deleterange", {"key": _b64(prefix), "range_end": _prefix_end(prefix)}
+            "/v3/kv/deleterange", {"key": b64(prefix), "range_end": prefix_range_end(prefix)}
         )
         return int(reply.get("deleted", 0))
 
@@ -289,48 +415,103 @@ class EtcdClient:
         """Grants a lease of ``ttl`` seconds; returns its id."""
         return int(self.call("/v3/lease/grant", {"TTL": str(ttl)})["ID"])
 
-    def keep_alive_once(self, lease_id: int) -> int:
+    def keep_alive_once(self, lease_id: int, *, deadline: timedelta | None = None) -> int:
         """Refreshes a lease; returns its remaining TTL (0 or less once it has expired)."""
-        reply = self.call("/v3/lease/keepalive", {"ID": str(lease_id)})
+        reply = self.call("/v3/lease/keepalive", {"ID": str(lease_id)}, deadline=deadline)
+        if "error" in reply:
+            return 0
         return int(reply.get("result", {}).get("TTL", 0))
 
     def revoke_lease(self, lease_id: int) -> None:
         """Revokes a lease, deleting every key attached to it."""
-        self.call("/v3/lease/revoke", {"ID": str(lease_id)})
+        try:
+            self.call("/v3/lease/revoke", {"ID": str(lease_id)})
+        except EtcdUnavailableError as exc:
+            if "lease not found" not in str(exc):
+                raise
 
     def close(self) -> None:
-        """Closes the HTTP session."""
+        """Closes the HTTP session (watches and leases have their own threads to stop)."""
         self._session.close()
+
+
+def _grpc_message(reply: requests.Response) -> str:
+    try:
+        body = reply.json()
+    except ValueError:
+        return reply.text[:200].strip()
+    if isinstance(body, dict):
+        return str(body.get("message") or body.get("error") or body)[:200]
+    return str(body)[:200]
+
+
+def _rejection(url: str, reply: requests.Response) -> str:
+    message = _grpc_message(reply)
+    if "user name is empty" in message or "invalid auth token" in message:
+        hint = "etcd requires authentication; set ELASTIC_ETCD_USERNAME and ELASTIC_ETCD_PASSWORD."
+    elif "permission denied" in message:
+        hint = "grant the etcd user read/write access to the job's key prefix."
+    else:
+        hint = "check the etcd version (3.4 or later) and the request."
+    return f"etcd ({url}) rejected the request with HTTP {reply.status_code} ({message}); {hint}"
 
 
 class Lease:
     """A lease kept alive by a daemon thread until :meth:`revoke` (or its owner's death).
 
+    The thread refreshes the lease every ``ttl / 3`` seconds. If etcd reports the lease gone
+    (it expired while this process could not reach etcd, or someone revoked it), :attr:`lost`
+    is set and ``on_lost`` is called once, from the keep-alive thread.
+
     Args:
         client: the client to use.
-        ttl: seconds etcd keeps the lease without a refresh.
+        ttl: seconds etcd keeps the lease without a refresh (etcd's minimum is about 2).
+        on_lost: called once when the lease is known to be gone; must not block.
     """
 
-    def __init__(self, client: EtcdClient, ttl: int) -> None:
+    def __init__(
+        self, client: EtcdClient, ttl: int, *, on_lost: Callable[[Lease], None] | None = None
+    ) -> None:
+        if ttl < 1:
+            raise ConfigError(f"etcd lease ttl ({ttl}) must be at least 1 second.")
         self._client = client
         self.ttl = ttl
         self.id = client.grant_lease(ttl)
         self.lost = threading.Event()
+        self._on_lost = on_lost
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=f"etcd-lease-{self.id:x}",
-                                        daemon=True)
+        self._thread = threading.Thread(
+            target=self._run, name=f"etcd-lease-{self.id:x}", daemon=True
+        )
         self._thread.start()
+
+    def __repr__(self) -> str:
+        return f"Lease(id={self.id:#x}, ttl={self.ttl}, lost={self.lost.is_set()})"
 
     def _run(self) -> None:
         interval = max(self.ttl / 3.0, 0.2)
+        # One refresh may take at most one interval, so a slow etcd never delays the next.
+        deadline = timedelta(seconds=interval)
         while not self._stop.wait(interval):
             try:
-                if self._client.keep_alive_once(self.id) <= 0:
-                    logger.warning("etcd lease %x expired", self.id)
-                    self.lost.set()
-                    return
-            except Exception:  # keep trying until the lease is known lost or revoked
-                logger.warning("keeping etcd lease %x alive failed", self.id, exc_info=True)
+                remaining = self._client.keep_alive_once(self.id, deadline=deadline)
+            except Exception:  # etcd unreachable: keep trying; it tells us when it is gone
+                logger.warning("keeping etcd lease %x alive failed; retrying", self.id,
+                               exc_info=logger.isEnabledFor(logging.DEBUG))
+                continue
+            if remaining <= 0 and not self._stop.is_set():
+                logger.warning("etcd lease %x is gone (expired or revoked)", self.id)
+                self.lost.set()
+                if self._on_lost is not None:
+                    try:
+                        self._on_lost(self)
+                    except Exception:
+                        logger.exception("etcd lease-loss callback failed")
+                return
+
+    def stop(self) -> None:
+        """Stops refreshing without revoking (the lease then expires after its TTL)."""
+        self._stop.set()
 
     def revoke(self) -> None:
         """Stops the keep-alive thread and revokes the lease (best effort)."""
@@ -339,3 +520,18 @@ class Lease:
             self._client.revoke_lease(self.id)
         except Exception:  # the lease expires on its own within its TTL anyway
             logger.debug("revoking etcd lease %x failed", self.id, exc_info=True)
+
+
+from elastic._etcd_watch import PrefixWatch, WatchEvent, wait_for_keys  # noqa: E402
+
+__all__ = [
+    "RETRY_POLICY",
+    "EtcdClient",
+    "EtcdConfig",
+    "KeyValue",
+    "Lease",
+    "PrefixWatch",
+    "WatchEvent",
+    "parse_endpoints",
+    "wait_for_keys",
+]

@@ -1,24 +1,24 @@
 """``EtcdV3Store``: a ``torch.distributed.Store`` whose keys live in etcd.
 
-The agents of a job use it to assign worker ranks and for the exit barrier. Unlike torch's
-c10d rendezvous, whose TCPStore is hosted by one of the training nodes (the job dies with that
-node), this store lives in etcd's replicated keyspace and survives the loss of any node.
+The agents of a job use it to assign worker ranks and for the exit barrier (torch wraps it in a
+per-round ``PrefixStore``). Unlike torch's c10d rendezvous, whose TCPStore is hosted by one of
+the training nodes (the job dies with that node), this store lives in etcd's replicated keyspace
+and survives the loss of any node.
+
+Blocking calls (``get``, ``wait``, ``multi_get``) are woken by an etcd watch, not by polling, and
+raise ``torch.distributed.DistStoreError`` on timeout, as TCPStore does. Counters (``add``) and
+``compare_set`` are compare-and-swap loops on the key's mod revision.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from datetime import timedelta
-from typing import Final
 
 import torch.distributed as dist
 from torch._C._distributed_c10d import Store
 
-from elastic.etcd import EtcdClient
-
-_POLL_S: Final = 0.02
-_MAX_POLL_S: Final = 0.25
+from elastic.etcd import EtcdClient, wait_for_keys
 
 
 def _encode(value: str | bytes | Sequence[int]) -> bytes:
@@ -33,16 +33,28 @@ class EtcdV3Store(Store):
     Args:
         client: the etcd client.
         prefix: key prefix, e.g. ``/elastic/{run_id}/store/``.
-        timeout: default timeout of blocking ``get`` and ``wait``.
+        timeout: default timeout of blocking ``get``, ``multi_get`` and ``wait``.
     """
 
     def __init__(
         self, client: EtcdClient, prefix: str, timeout: timedelta = timedelta(seconds=300)
     ) -> None:
         super().__init__()
+        if timeout <= timedelta(0):
+            from elastic.errors import ConfigError
+
+            raise ConfigError(f"store timeout ({timeout}) must be positive.")
         self._client = client
         self._prefix = prefix if prefix.endswith("/") else prefix + "/"
         self._timeout = timeout
+
+    def __repr__(self) -> str:
+        return f"EtcdV3Store(prefix={self._prefix!r}, client={self._client!r})"
+
+    @property
+    def prefix(self) -> str:
+        """The etcd key prefix of every key of this store."""
+        return self._prefix
 
     def _key(self, key: str) -> str:
         return self._prefix + key
@@ -61,20 +73,14 @@ class EtcdV3Store(Store):
         self._client.put(self._key(key), _encode(value))
 
     def _wait_for(self, keys: Sequence[str], timeout: timedelta) -> list[bytes]:
-        deadline = time.monotonic() + timeout.total_seconds()
-        delay = _POLL_S
-        while True:
-            values = [self._client.get(self._key(k)) for k in keys]
-            if all(v is not None for v in values):
-                return [v.value for v in values if v is not None]
-            if time.monotonic() >= deadline:
-                missing = [k for k, v in zip(keys, values, strict=True) if v is None]
-                raise dist.DistStoreError(
-                    f"Timed out after {timeout.total_seconds():g} s waiting for store keys "
-                    f"{missing} in etcd."
-                )
-            time.sleep(delay)
-            delay = min(delay * 2, _MAX_POLL_S)
+        try:
+            kvs = wait_for_keys(self._client, [self._key(k) for k in keys], timeout)
+        except TimeoutError as exc:
+            raise dist.DistStoreError(
+                f"Timed out after {timeout.total_seconds():g} s waiting for store keys "
+                f"{list(keys)} under etcd prefix {self._prefix}."
+            ) from exc
+        return [kv.value for kv in kvs]
 
     def get(self, key: str) -> bytes:  # type: ignore[override]
         """See base class."""
@@ -86,15 +92,26 @@ class EtcdV3Store(Store):
 
     def multi_set(self, keys: list[str], values: list[str | bytes]) -> None:  # type: ignore[override]
         """See base class."""
-        for key, value in zip(keys, values, strict=True):
-            self.set(key, value)
+        if len(keys) != len(values):
+            raise ValueError(
+                f"multi_set got {len(keys)} keys but {len(values)} values; pass one value per key."
+            )
+        self._client.put_many([(self._key(k), _encode(v)) for k, v in zip(keys, values,
+                                                                            strict=True)])
 
     def add(self, key: str, amount: int) -> int:  # type: ignore[override]
         """See base class."""
         full = self._key(key)
         current = self._client.get(full)
         while True:
-            base = int(current.value.decode()) if current else 0
+            raw = current.value if current else b"0"
+            try:
+                base = int(raw.decode())
+            except ValueError as exc:
+                raise ValueError(
+                    f"store key {key!r} holds {raw[:32]!r}, not an integer; add() "
+                    "needs a counter key."
+                ) from exc
             written, after = self._client.cas(
                 full, str(base + amount).encode(), current.mod_revision if current else None
             )
@@ -108,20 +125,18 @@ class EtcdV3Store(Store):
         """See base class."""
         full = self._key(key)
         expected, desired = _encode(expected_value), _encode(desired_value)
+        current = self._client.get(full)
         while True:
-            current = self._client.get(full)
             if current is None:
                 if expected:
-                    return expected
-                written, after = self._client.cas(full, desired, None)
+                    return expected  # TCPStore's answer when the key does not exist
+                written, current = self._client.cas(full, desired, None)
             elif current.value != expected:
                 return current.value
             else:
-                written, after = self._client.cas(full, desired, current.mod_revision)
+                written, current = self._client.cas(full, desired, current.mod_revision)
             if written:
                 return desired
-            if after is not None and after.value != expected:
-                return after.value
 
     def wait(  # type: ignore[override]
         self, keys: list[str], timeout: timedelta | None = None
@@ -131,7 +146,7 @@ class EtcdV3Store(Store):
 
     def check(self, keys: list[str]) -> bool:  # type: ignore[override]
         """See base class."""
-        return all(self._client.get(self._key(k)) is not None for k in keys)
+        return all(kv is not None for kv in self._client.get_many([self._key(k) for k in keys]))
 
     def delete_key(self, key: str) -> bool:  # type: ignore[override]
         """See base class."""
