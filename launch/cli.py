@@ -121,7 +121,8 @@ def parse_endpoints(text: str) -> list[str]:
     """Split and validate ``host:port[,host:port...]``; raises ConfigError on bad input."""
     from elastic.etcd import parse_endpoints as parse
 
-    return list(parse(text))
+    # torchrun's --rdzv-endpoint is host:port; TLS is selected with --rdzv-conf protocol=https.
+    return [e.split("://", 1)[-1] for e in parse(text)]
 
 
 def _resolve_nodes(args: argparse.Namespace) -> None:

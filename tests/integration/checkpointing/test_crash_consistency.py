@@ -12,7 +12,7 @@ import torch
 from checkpointing import CheckpointManager
 
 _KILLS = 20
-_MAX_STEPS = 40
+_MAX_STEPS = 200  # stop condition is 20 kills; under load more saves finish before the kill
 
 
 def _state(step: int) -> dict[str, torch.Tensor]:
