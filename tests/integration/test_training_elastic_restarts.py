@@ -112,7 +112,7 @@ def test_every_sample_of_every_epoch_is_trained_exactly_once_across_kills_and_a_
 @pytest.mark.xfail(
     strict=False,
     reason="open: in a full CI run on a loaded 2-core machine a kill after step 13 resumed from "
-    "step 5 (interval 4); passes alone. Under investigation: the async commit of the newer "
+    "step 5 (interval 5); passes alone. Under investigation: the async commit of the newer "
     "checkpoints did not land before the kill.",
 )
 def test_each_failure_loses_at_most_one_checkpoint_interval_of_steps(
