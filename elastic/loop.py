@@ -226,13 +226,16 @@ class ElasticLoop:
 
         try:
             info = self.checkpoint.load(self._full_state())
-        except (CheckpointError, ConfigError):
+        except (CheckpointError, ConfigError, KeyboardInterrupt, SystemExit):
             raise
-        except Exception as exc:  # DCP's key/shape mismatch errors are long and varied
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        except BaseException as exc:
+            # DCP reports key/shape mismatches as CheckpointException (a BaseException) whose
+            # text is every rank's traceback; its last line is the reason.
+            lines = [line for line in str(exc).splitlines() if line.strip()]
+            reason = lines[-1].strip() if lines else type(exc).__name__
             raise ConfigError(
                 f"the newest checkpoint in ({self.checkpoint.storage.url}) does not fit this "
-                f"job's model or state ({first[:200]}); point the checkpoint URL at a new "
+                f"job's model or state ({reason[:200]}); point the checkpoint URL at a new "
                 "directory or restore the code that wrote it."
             ) from exc
         if info is None:
