@@ -2,9 +2,12 @@
 
 Keys: ``{key_prefix}/{run_id}/members/{round}/{group_rank}`` holding a JSON :class:`MemberInfo`,
 attached to the node's own lease (TTL ``member_ttl``, refreshed by a daemon thread). When a node
-dies its lease expires on etcd's clock and the key disappears; every surviving agent's
-registry notices within one poll and reports the member as lost, so the agent starts a new
+dies its lease expires on etcd's clock (no wall-clock comparison between nodes) and etcd deletes
+the key; every surviving agent's registry follows the job's member keys with one supervised
+watch, so it learns of the loss by push and reports it from memory. The agent then starts a new
 round at once instead of waiting for torch's heartbeat timeout or a collective timeout.
+
+A node that leaves on purpose revokes its lease, so the others see it go at once.
 """
 
 from __future__ import annotations
@@ -15,14 +18,17 @@ import os
 import socket
 import threading
 import time
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from datetime import timedelta
 from typing import Final
 
-from elastic.etcd import EtcdClient, Lease
+from elastic.errors import ConfigError
+from elastic.etcd import EtcdClient, Lease, PrefixWatch, WatchEvent
 
 logger = logging.getLogger(__name__)
 
-_POLL_S: Final = 0.25
+_MIN_TTL: Final = 1  # etcd itself raises TTLs below its minimum (about 2 s)
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,11 +36,20 @@ class MemberInfo:
     """What a node publishes about itself for one round."""
 
     group_rank: int
+    """The node's rank in the round (its member key's last component)."""
     world_size: int
+    """Number of nodes the round was formed with."""
     host: str
     pid: int
+    """PID of the node's agent."""
     started_at: float
     """Wall-clock seconds since the epoch when the node joined the round."""
+    local_world_size: int = 0
+    """Worker processes on the node (0 when unknown)."""
+
+    def age(self, now: float | None = None) -> float:
+        """Seconds since the node joined the round."""
+        return max(0.0, (time.time() if now is None else now) - self.started_at)
 
 
 def members_prefix(key_prefix: str, run_id: str) -> str:
@@ -42,88 +57,164 @@ def members_prefix(key_prefix: str, run_id: str) -> str:
     return f"{key_prefix.rstrip('/')}/{run_id}/members/"
 
 
+def _parse_key(prefix: str, key: str) -> tuple[int, int] | None:
+    parts = key[len(prefix):].split("/")
+    if len(parts) != 2:
+        return None
+    try:
+        return int(parts[0]), int(parts[1])
+    except ValueError:
+        return None
+
+
 class MembershipRegistry:
     """Registers this node for a round and tracks which members of the round are gone.
+
+    Thread-safe; :meth:`lost_members` answers from memory (no etcd round trip), so the agent
+    may call it in every monitor interval.
 
     Args:
         client: the etcd client.
         run_id: the job id.
         key_prefix: prefix of every key of elastic-run.
         member_ttl: seconds of silence after which etcd drops a member.
+        on_change: called (from a watch thread, must not block) with the lost group ranks
+            whenever that set changes.
+
+    Raises:
+        ConfigError: for a ``member_ttl`` below 2.
     """
 
     def __init__(
         self, client: EtcdClient, run_id: str, *, key_prefix: str = "/elastic",
-        member_ttl: int = 3,
+        member_ttl: int = 3, on_change: Callable[[frozenset[int]], None] | None = None,
     ) -> None:
+        if member_ttl < _MIN_TTL:
+            raise ConfigError(
+                f"--rdzv-conf member_ttl ({member_ttl}) must be at least {_MIN_TTL} seconds."
+            )
         self._client = client
         self._prefix = members_prefix(key_prefix, run_id)
         self._ttl = member_ttl
+        self._on_change = on_change
         self._lease: Lease | None = None
+        self._watch: PrefixWatch | None = None
         self._lock = threading.Lock()
         self._round = -1
         self._world = 0
         self._seen: set[int] = set()
         self._lost: frozenset[int] = frozenset()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
         self._key: str | None = None
+        self._closed = False
+        self.changed = threading.Event()
+        """Set whenever the lost set changes or this node's own lease is lost."""
+
+    def __repr__(self) -> str:
+        return f"MembershipRegistry(prefix={self._prefix!r}, round={self._round})"
 
     @property
     def round(self) -> int:
         """The round this node last registered for (-1 before the first)."""
         return self._round
 
-    def register(self, round_: int, group_rank: int, world_size: int) -> None:
-        """Publishes this node as a member of ``round_`` and starts watching the round."""
-        if self._lease is None or self._lease.lost.is_set():
-            self._lease = Lease(self._client, self._ttl)
-        info = MemberInfo(group_rank, world_size, socket.gethostname(), os.getpid(), time.time())
+    @property
+    def member_ttl(self) -> int:
+        """TTL in seconds of this node's member lease."""
+        return self._ttl
+
+    def register(
+        self, round_: int, group_rank: int, world_size: int, *, local_world_size: int = 0
+    ) -> None:
+        """Publishes this node as a member of ``round_`` and follows the round's members.
+
+        Raises:
+            EtcdUnavailableError: when etcd cannot be reached within the deadline.
+        """
+        with self._lock:
+            self._closed = False
+            if self._lease is None or self._lease.lost.is_set():
+                self._lease = Lease(self._client, self._ttl, on_lost=self._on_lease_lost)
+            lease = self._lease
+        info = MemberInfo(group_rank, world_size, socket.gethostname(), os.getpid(),
+                          time.time(), local_world_size)
         key = f"{self._prefix}{round_}/{group_rank}"
-        self._client.put(key, json.dumps(asdict(info)).encode(), lease=self._lease.id)
-        if self._key is not None and self._key != key:
-            self._client.delete(self._key)  # the old round is over; keep one key per node
-        self._key = key
+        self._client.put(key, json.dumps(asdict(info)).encode(), lease=lease.id)
+        old_key, self._key = self._key, key
+        if old_key is not None and old_key != key:
+            self._client.delete(old_key)  # the old round is over; keep one key per node
         with self._lock:
             self._round, self._world = round_, world_size
             self._seen, self._lost = {group_rank}, frozenset()
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._poll, name="elastic-membership",
-                                            daemon=True)
-            self._thread.start()
+            if self._watch is None or self._watch.failed.is_set():
+                if self._watch is not None:
+                    self._watch.cancel()
+                self._watch = PrefixWatch(self._client, self._prefix, on_change=self._on_events)
+            watch = self._watch
+        self._recompute(watch.items().keys())
+        logger.info("registered as member %d of round %d (%d nodes, lease %x, ttl %d s)",
+                    group_rank, round_, world_size, lease.id, self._ttl)
+
+    def _on_lease_lost(self, lease: Lease) -> None:
+        logger.warning("this node's member lease %x was lost; it must rejoin", lease.id)
+        self.changed.set()
+
+    def _on_events(self, events: Sequence[WatchEvent]) -> None:
+        watch = self._watch
+        if watch is not None:
+            self._recompute(watch.items().keys())
+
+    def _recompute(self, keys: Iterable[str]) -> None:
+        parsed_keys = [p for p in (_parse_key(self._prefix, k) for k in keys) if p is not None]
+        with self._lock:
+            if self._closed:
+                return
+            present = {rank for round_, rank in parsed_keys if round_ == self._round}
+            self._seen |= present
+            lost = frozenset(r for r in self._seen if r not in present and r < self._world)
+            if lost == self._lost:
+                return
+            self._lost = lost
+            round_ = self._round
+        if lost:
+            logger.warning("member(s) %s of round %d lost their etcd lease", sorted(lost), round_)
+        self.changed.set()
+        if self._on_change is not None:
+            try:
+                self._on_change(lost)
+            except Exception:
+                logger.exception("membership change callback failed")
 
     def lost_members(self) -> frozenset[int]:
         """Group ranks of the current round whose member key has vanished (from memory)."""
         with self._lock:
             return self._lost
 
-    def _poll(self) -> None:
-        while not self._stop.wait(_POLL_S):
-            with self._lock:
-                round_, world = self._round, self._world
-            try:
-                present = {
-                    int(kv.key.rsplit("/", 1)[1])
-                    for kv in self._client.get_prefix(f"{self._prefix}{round_}/")
-                }
-            except Exception:  # etcd unreachable: the rendezvous itself will report it
-                logger.debug("membership poll failed", exc_info=True)
-                continue
-            with self._lock:
-                if round_ != self._round:
-                    continue
-                self._seen |= present
-                lost = frozenset(r for r in self._seen if r not in present and r < world)
-                if lost and lost != self._lost:
-                    logger.warning("members %s of round %d lost their etcd lease",
-                                   sorted(lost), round_)
-                self._lost = lost
+    def own_lease_lost(self) -> bool:
+        """Whether etcd dropped this node's own member lease (the others count it as lost)."""
+        lease = self._lease
+        return lease is not None and lease.lost.is_set()
+
+    def membership_changed(self) -> bool:
+        """Whether the current round lost a member, this node included (from memory)."""
+        return bool(self.lost_members()) or self.own_lease_lost()
+
+    def wait_for_change(self, timeout: timedelta) -> bool:
+        """Waits until the lost set changes; returns whether it did within ``timeout``."""
+        changed = self.changed.wait(timeout.total_seconds())
+        self.changed.clear()
+        return changed
 
     def close(self) -> None:
         """Leaves explicitly: revokes the lease so the others see this node go at once."""
-        self._stop.set()
-        if self._lease is not None:
-            self._lease.revoke()
+        with self._lock:
+            self._closed = True
+            watch, self._watch = self._watch, None
+            lease, self._lease = self._lease, None
+            self._key = None
+        if watch is not None:
+            watch.cancel()
+        if lease is not None:
+            lease.revoke()
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,20 +222,48 @@ class JobStatus:
     """A job's membership as an operator sees it."""
 
     round: int
+    """The newest round that has a live member."""
     world_size: int
+    """Live members of that round."""
     members: list[MemberInfo]
+    """The live members, by group rank."""
+    expected_size: int = 0
+    """Nodes the round was formed with (more than ``world_size`` while a loss is pending)."""
+    read_at: float = field(default_factory=time.time)
+    """Wall-clock time of the read (for member ages)."""
 
 
 def read_job_status(
     client: EtcdClient, run_id: str, *, key_prefix: str = "/elastic"
 ) -> JobStatus | None:
-    """Reads the newest round's live members of job ``run_id`` (``None``: no live member)."""
+    """Reads the newest round's live members of job ``run_id``.
+
+    Args:
+        client: the etcd client.
+        run_id: the job id.
+        key_prefix: prefix of every key of elastic-run.
+
+    Returns:
+        The status, or ``None`` when the job has no live member.
+
+    Raises:
+        EtcdUnavailableError: when etcd cannot be reached within the deadline.
+    """
+    prefix = members_prefix(key_prefix, run_id)
     by_round: dict[int, list[MemberInfo]] = {}
-    for kv in client.get_prefix(members_prefix(key_prefix, run_id)):
-        round_text = kv.key.rsplit("/", 2)[1]
-        by_round.setdefault(int(round_text), []).append(MemberInfo(**json.loads(kv.value)))
+    for kv in client.get_prefix(prefix):
+        parsed = _parse_key(prefix, kv.key)
+        if parsed is None:
+            continue
+        try:
+            info = MemberInfo(**json.loads(kv.value))
+        except (ValueError, TypeError):
+            logger.warning("ignoring the unreadable member key %s", kv.key)
+            continue
+        by_round.setdefault(parsed[0], []).append(info)
     if not by_round:
         return None
     newest = max(by_round)
     members = sorted(by_round[newest], key=lambda m: m.group_rank)
-    return JobStatus(round=newest, world_size=len(members), members=members)
+    return JobStatus(round=newest, world_size=len(members), members=members,
+                     expected_size=max(m.world_size for m in members))

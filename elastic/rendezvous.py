@@ -2,18 +2,29 @@
 
 etcd keyspace of a job (``key_prefix`` defaults to ``/elastic``)::
 
-    {key_prefix}/{run_id}/rdzv/state    torch's pickled rendezvous state in a magic+version
-                                         envelope; written only by compare-and-swap on its
-                                         mod revision (the fencing token)
-    {key_prefix}/{run_id}/store/...     EtcdV3Store keys (rank assignment, exit barrier)
+    {key_prefix}/{run_id}/rdzv/state                torch's pickled rendezvous state in a
+                                                    magic+version envelope (``ELRDZV1\\0``);
+                                                    written only by compare-and-swap on its mod
+                                                    revision (the fencing token), under the
+                                                    writer's long lease (``state_ttl``)
+    {key_prefix}/{run_id}/store/{key}               EtcdV3Store keys (torch adds a per-round
+                                                    PrefixStore: rank assignment, exit barrier)
+    {key_prefix}/{run_id}/members/{round}/{rank}    JSON MemberInfo of a node in a round, on the
+                                                    node's short lease (``member_ttl``): it
+                                                    vanishes within a TTL of the node's death
+
+Write access to this keyspace means code execution on every agent (the state is a pickle):
+production etcd needs TLS client certificates or user/password auth, and a network policy.
 
 This module is the target of the ``torchrun.handlers`` entry points ``etcd-v3`` and
 ``elastic-etcd-v3``. torch loads it while ``torch.distributed.elastic.rendezvous`` is being
-imported, so it imports nothing heavy at module level and :func:`torchrun_handler` never raises.
+imported, so it imports nothing heavy at module level and :func:`torchrun_handler` never raises;
+the backend class lives in a private module and is imported on first use.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable
 from datetime import timedelta
@@ -22,9 +33,22 @@ from typing import TYPE_CHECKING, Any, Final
 if TYPE_CHECKING:
     from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters
 
+    from elastic._rdzv_backend import EtcdV3RendezvousBackend
     from elastic.etcd import EtcdClient
 
+__all__ = [
+    "DEFAULTS",
+    "STATE_MAGIC",
+    "EtcdV3RendezvousBackend",
+    "create_client",
+    "create_rdzv_handler",
+    "torchrun_handler",
+]
+
+logger = logging.getLogger(__name__)
+
 STATE_MAGIC: Final = b"ELRDZV1\0"
+"""Envelope of the state value: a magic string with the format version, then torch's pickle."""
 
 DEFAULTS: Final[dict[str, float]] = {
     "join_timeout": 600.0,
@@ -36,77 +60,25 @@ DEFAULTS: Final[dict[str, float]] = {
     "read_timeout": 5.0,
     "deadline": 30.0,
     "member_ttl": 3.0,
+    "state_ttl": 7200.0,
 }
+"""Numeric ``--rdzv-conf`` keys and their defaults (seconds, or a count)."""
+
+_STRING_KEYS: Final = frozenset({"key_prefix", "protocol", "ca_cert", "ssl_cert", "ssl_cert_key"})
+# Keys torch's own launcher puts into the rendezvous config for every backend.
+_TORCH_KEYS: Final = frozenset({"timeout", "is_host", "rank", "use_libuv", "local_addr"})
 
 
-def _backend_class() -> type[Any]:
-    from torch.distributed.elastic.rendezvous import RendezvousStateError
-    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend
+def __getattr__(name: str) -> Any:
+    # The backend class imports torch's dynamic rendezvous; load it only when asked for.
+    if name == "EtcdV3RendezvousBackend":
+        from elastic._rdzv_backend import EtcdV3RendezvousBackend
 
-    class EtcdV3RendezvousBackend(RendezvousBackend):
-        """Holds torch's rendezvous state in one etcd key, written by compare-and-swap.
-
-        The fencing token is the key's mod revision: a write succeeds only if nobody wrote
-        since the caller read, and a lost race returns the current state in the same round
-        trip, as the ``RendezvousBackend`` contract asks.
-
-        Args:
-            client: the etcd client.
-            run_id: the job id.
-            key_prefix: prefix of every key of elastic-run.
-            name: the backend name torch's registry knows this backend by.
-        """
-
-        def __init__(
-            self, client: EtcdClient, run_id: str, *, key_prefix: str = "/elastic",
-            name: str = "etcd-v3",
-        ) -> None:
-            if not run_id:
-                from elastic.errors import ConfigError
-
-                raise ConfigError("the job id is empty; pass --job-id (or --rdzv-id).")
-            self._client = client
-            self._name = name
-            self.key = f"{key_prefix.rstrip('/')}/{run_id}/rdzv/state"
-
-        @property
-        def name(self) -> str:
-            """See base class."""
-            return self._name
-
-        def _decode(self, raw: bytes) -> bytes:
-            if not raw.startswith(STATE_MAGIC):
-                raise RendezvousStateError(
-                    f"The rendezvous state under etcd key {self.key} is corrupt (it does not "
-                    f"start with {STATE_MAGIC!r}); delete the key or use a new --job-id."
-                )
-            return raw[len(STATE_MAGIC):]
-
-        def get_state(self) -> tuple[bytes, Any] | None:
-            """See base class."""
-            current = self._client.get(self.key)
-            if current is None:
-                return None
-            return self._decode(current.value), current.mod_revision
-
-        def set_state(
-            self, state: bytes, token: Any | None = None
-        ) -> tuple[bytes, Any, bool] | None:
-            """See base class."""
-            if token is not None and not isinstance(token, int):
-                current = self._client.get(self.key)  # an invalid token never writes
-                if current is None:
-                    return None
-                return self._decode(current.value), current.mod_revision, False
-            written, current = self._client.cas(self.key, STATE_MAGIC + state, token)
-            if current is None:
-                return None
-            return self._decode(current.value), current.mod_revision, written
-
-    return EtcdV3RendezvousBackend
+        return EtcdV3RendezvousBackend
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def _float(params: RendezvousParameters, key: str) -> float:
+def _number(params: RendezvousParameters, key: str, *, allow_zero: bool = False) -> float:
     from elastic.errors import ConfigError
 
     raw = params.config.get(key, DEFAULTS[key])
@@ -114,54 +86,98 @@ def _float(params: RendezvousParameters, key: str) -> float:
         value = float(raw)
     except (TypeError, ValueError):
         value = -1.0
-    if value <= 0:
+    if value < 0 or (value == 0 and not allow_zero):
         raise ConfigError(
-            f"--rdzv-conf {key} ({raw!r}) must be a positive number of seconds."
+            f"--rdzv-conf {key} ({raw!r}) must be a positive number; pass e.g. "
+            f"{key}={DEFAULTS[key]:g}."
         )
     return value
 
 
+def _warn_unknown_keys(params: RendezvousParameters) -> None:
+    unknown = sorted(set(params.config) - set(DEFAULTS) - _STRING_KEYS - _TORCH_KEYS)
+    if unknown:
+        logger.warning("Ignoring unknown --rdzv-conf key(s) %s of the %s backend.", unknown,
+                       params.backend)
+
+
 def create_client(params: RendezvousParameters) -> EtcdClient:
-    """Builds the etcd client a rendezvous handler uses from torchrun's parameters."""
+    """Builds the etcd client a rendezvous handler uses from torchrun's parameters.
+
+    The endpoint list is ``params.endpoint`` or ``$ELASTIC_ETCD_ENDPOINTS``; TLS files come
+    from ``--rdzv-conf`` or ``ELASTIC_ETCD_{CA_CERT,CERT,KEY}``; credentials only from
+    ``ELASTIC_ETCD_USERNAME``/``ELASTIC_ETCD_PASSWORD`` (never the command line, which every
+    local user can read).
+
+    Raises:
+        ConfigError: for a missing or unparsable endpoint or a bad numeric key.
+    """
     from elastic import env
+    from elastic.errors import ConfigError
     from elastic.etcd import EtcdClient, EtcdConfig, parse_endpoints
 
     endpoint = params.endpoint or os.environ.get(env.ETCD_ENDPOINTS, "")
+    if not endpoint:
+        raise ConfigError(
+            f"no etcd endpoint given; pass --rdzv-endpoint host:port or set {env.ETCD_ENDPOINTS}."
+        )
+    ca_cert = params.config.get("ca_cert") or os.environ.get(env.ETCD_CA_CERT)
     return EtcdClient(EtcdConfig(
         endpoints=parse_endpoints(endpoint),
-        protocol=str(params.config.get("protocol", "http")),
-        request_timeout=timedelta(seconds=_float(params, "read_timeout")),
-        deadline=timedelta(seconds=_float(params, "deadline")),
-        ca_cert=params.config.get("ca_cert") or os.environ.get(env.ETCD_CA_CERT),
+        protocol=str(params.config.get("protocol") or ("https" if ca_cert else "http")),
+        request_timeout=timedelta(seconds=_number(params, "read_timeout")),
+        deadline=timedelta(seconds=_number(params, "deadline")),
+        ca_cert=ca_cert,
         cert=params.config.get("ssl_cert") or os.environ.get(env.ETCD_CERT),
         key=params.config.get("ssl_cert_key") or os.environ.get(env.ETCD_KEY),
-        username=os.environ.get(env.ETCD_USERNAME),
-        password=os.environ.get(env.ETCD_PASSWORD),
+        username=os.environ.get(env.ETCD_USERNAME) or None,
+        password=os.environ.get(env.ETCD_PASSWORD) or None,
     ))
 
 
 def create_rdzv_handler(params: RendezvousParameters) -> RendezvousHandler:
-    """Creates torch's dynamic rendezvous handler over etcd.
+    """Creates torch's dynamic rendezvous handler over etcd, with lease-based membership.
 
-    ``--rdzv-conf`` keys (seconds):
+    The defaults suit spot clusters of up to a few dozen nodes: a lost node is noticed within
+    about ``member_ttl`` and a new round forms a few seconds later. For hundreds of nodes
+    raise ``keep_alive_interval`` (every heartbeat rewrites the one state key; see
+    ``benchmarks/rendezvous_scale.py``).
 
-    ======================  =======  ==================================================
-    key                     default  meaning
-    ======================  =======  ==================================================
-    join_timeout            600      time a round may take to complete
-    last_call_timeout       2        wait for more nodes once ``min_nodes`` are present
-    close_timeout           10       time to close the rendezvous on shutdown
-    heartbeat_timeout       5        a node silent this long is dropped
-    keep_alive_interval     1        heartbeat period
-    keep_alive_max_attempt  3        missed heartbeats before a node is dropped
-    read_timeout            5        one etcd request
-    deadline                30       retrying etcd before the job fails
-    member_ttl              3        lease TTL of a node's member key: a dead node is
-                                     seen by the others within about this long
-    key_prefix              /elastic prefix of every key
-    protocol                http     ``https`` for TLS (``ca_cert``, ``ssl_cert``,
-                                     ``ssl_cert_key`` keys or ``ELASTIC_ETCD_*`` env)
-    ======================  =======  ==================================================
+    ``--rdzv-conf`` keys (times in seconds):
+
+    ======================  ========  ===================================================
+    key                     default   meaning
+    ======================  ========  ===================================================
+    join_timeout            600       time a round may take to complete
+    last_call_timeout       2         wait for more nodes once ``min_nodes`` are present
+    close_timeout           10        time to close the rendezvous on shutdown
+    heartbeat_timeout       5         time one heartbeat write may take
+    keep_alive_interval     1         heartbeat period (whole seconds, at least 1)
+    keep_alive_max_attempt  3         missed heartbeats before torch drops a node
+    member_ttl              3         lease TTL of a node's member key: the others see a
+                                      dead node within about this long (whole seconds)
+    state_ttl               7200      the state key outlives the job's last agent this
+                                      long (0: forever)
+    read_timeout            5         one etcd request
+    deadline                30        retrying etcd before the job fails, naming the
+                                      endpoints
+    key_prefix              /elastic  prefix of every key of elastic-run
+    protocol                http      ``https`` for TLS (default when a CA is given)
+    ca_cert                 (none)    CA bundle (or ``ELASTIC_ETCD_CA_CERT``)
+    ssl_cert                (none)    client certificate (or ``ELASTIC_ETCD_CERT``)
+    ssl_cert_key            (none)    client key (or ``ELASTIC_ETCD_KEY``)
+    ======================  ========  ===================================================
+
+    Args:
+        params: torch's rendezvous parameters (``backend`` is the name this handler
+            reports, so aliases pass torch's registry check).
+
+    Returns:
+        An :class:`~elastic.handler.ElasticRendezvousHandler`.
+
+    Raises:
+        ConfigError: for a bad ``--rdzv-conf`` value or endpoint.
+        RendezvousConnectionError: when etcd is unreachable within the deadline.
     """
     from torch.distributed.elastic.rendezvous import RendezvousConnectionError
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
@@ -169,6 +185,7 @@ def create_rdzv_handler(params: RendezvousParameters) -> RendezvousHandler:
         RendezvousTimeout,
     )
 
+    from elastic._rdzv_backend import EtcdV3RendezvousBackend
     from elastic.errors import EtcdUnavailableError
     from elastic.handler import ElasticRendezvousHandler
     from elastic.membership import MembershipRegistry
@@ -180,10 +197,18 @@ def create_rdzv_handler(params: RendezvousParameters) -> RendezvousHandler:
     # this backend gets the fix too; it is read by torch's handler in this (the agent) process.
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
 
+    _warn_unknown_keys(params)
     client = create_client(params)
     key_prefix = str(params.config.get("key_prefix", "/elastic"))
-    backend = _backend_class()(client, params.run_id, key_prefix=key_prefix, name=params.backend)
+    backend = EtcdV3RendezvousBackend(
+        client, params.run_id, key_prefix=key_prefix, name=params.backend,
+        state_ttl=round(_number(params, "state_ttl", allow_zero=True)),
+    )
     store = EtcdV3Store(client, f"{key_prefix.rstrip('/')}/{params.run_id}/store/")
+    registry = MembershipRegistry(
+        client, params.run_id, key_prefix=key_prefix,
+        member_ttl=max(1, round(_number(params, "member_ttl"))),
+    )
     try:
         client.get(backend.key)  # fail fast, naming the endpoints, if etcd is unreachable
     except EtcdUnavailableError as exc:
@@ -196,24 +221,17 @@ def create_rdzv_handler(params: RendezvousParameters) -> RendezvousHandler:
         max_nodes=params.max_nodes,
         local_addr=params.local_addr,
         timeout=RendezvousTimeout(
-            join=timedelta(seconds=_float(params, "join_timeout")),
-            last_call=timedelta(seconds=_float(params, "last_call_timeout")),
-            close=timedelta(seconds=_float(params, "close_timeout")),
-            heartbeat=timedelta(seconds=_float(params, "heartbeat_timeout")),
+            join=timedelta(seconds=_number(params, "join_timeout")),
+            last_call=timedelta(seconds=_number(params, "last_call_timeout")),
+            close=timedelta(seconds=_number(params, "close_timeout")),
+            heartbeat=timedelta(seconds=_number(params, "heartbeat_timeout")),
         ),
-        keep_alive_interval=int(max(1.0, _float(params, "keep_alive_interval"))),
-        keep_alive_max_attempt=int(_float(params, "keep_alive_max_attempt")),
+        keep_alive_interval=max(1, round(_number(params, "keep_alive_interval"))),
+        keep_alive_max_attempt=max(1, round(_number(params, "keep_alive_max_attempt"))),
     )
-    registry = MembershipRegistry(client, params.run_id, key_prefix=key_prefix,
-                                  member_ttl=max(1, round(_float(params, "member_ttl"))))
-    return ElasticRendezvousHandler(inner, registry)
+    return ElasticRendezvousHandler(inner, registry, backend=backend)
 
 
 def torchrun_handler() -> Callable[[RendezvousParameters], RendezvousHandler]:
     """The ``torchrun.handlers`` entry point: returns the handler creator (never raises)."""
     return create_rdzv_handler
-
-
-def EtcdV3RendezvousBackend(*args: Any, **kwargs: Any) -> Any:
-    """Constructs the backend (the class is built lazily to keep this module import-light)."""
-    return _backend_class()(*args, **kwargs)
