@@ -15,6 +15,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
+
+from checkpointing import CheckpointManager, ModelOptimizerState
 
 EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "train.py"
 
@@ -34,9 +37,12 @@ def _torchrun(nproc: int, steps: int, ckpt_dir: Path) -> None:
 
 
 def _weights(ckpt_dir: Path) -> dict[str, torch.Tensor]:
-    saved = torch.load(ckpt_dir / "checkpoint.pt", weights_only=True)
-    assert saved["step"] == 60
-    return dict(saved["model"])
+    # The example checkpoints through CheckpointManager (DCP); read the model back the same way.
+    model = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 1)).double()
+    state = ModelOptimizerState(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    info = CheckpointManager(str(ckpt_dir), async_mode="disabled").load({"train": state})
+    assert info is not None and info.step == 60
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
 def test_resuming_on_a_smaller_world_matches_an_undisturbed_run(tmp_path: Path) -> None:

@@ -1,0 +1,118 @@
+"""Elastic training with a real map-style ``Dataset`` read by ``DataLoader`` worker processes.
+
+The dataset lives in files (one ``.pt`` shard per 256 samples, written on first use under
+``--data-dir``); each ``__getitem__`` reads from its shard, as an image or text dataset would.
+``ElasticSampler`` runs in the main process and hands indices to the workers, so the
+exactly-once accounting does not depend on ``num_workers``::
+
+    elastic-run --standalone --nproc-per-node 2 examples/train_dataset.py --num-workers 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, Dataset
+
+import elastic
+from checkpointing import CheckpointManager, ModelOptimizerState
+
+SHARD = 256
+
+
+class ShardedFileDataset(Dataset[tuple[torch.Tensor, torch.Tensor]]):
+    """Samples stored in ``shard-*.pt`` files; workers load shards lazily and cache them."""
+
+    def __init__(self, root: Path, size: int) -> None:
+        self.root, self.size = root, size
+
+    @staticmethod
+    def materialise(root: Path, size: int, seed: int) -> None:
+        """Writes the shards once (rank 0 before training; atomic per file)."""
+        root.mkdir(parents=True, exist_ok=True)
+        generator = torch.Generator().manual_seed(seed)
+        weights = torch.randn(16, 4, generator=generator)
+        for first in range(0, size, SHARD):
+            path = root / f"shard-{first // SHARD:05d}.pt"
+            x = torch.randn(min(SHARD, size - first), 16, generator=generator)
+            if not path.exists():
+                tmp = path.with_suffix(".tmp")
+                torch.save({"x": x, "y": (x @ weights).argmax(1)}, tmp)
+                tmp.replace(path)
+
+    @functools.lru_cache(maxsize=8)  # noqa: B019 - per worker process, bounded
+    def _shard(self, number: int) -> dict[str, torch.Tensor]:
+        shard: dict[str, torch.Tensor] = torch.load(
+            self.root / f"shard-{number:05d}.pt", weights_only=True
+        )
+        return shard
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        shard = self._shard(index // SHARD)
+        return shard["x"][index % SHARD], shard["y"][index % SHARD]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--global-batch", type=int, default=128)
+    parser.add_argument("--micro-batch", type=int, default=32)
+    parser.add_argument("--dataset-size", type=int, default=4096)
+    parser.add_argument("--num-workers", type=int, default=2)
+    parser.add_argument("--data-dir", default="runs/dataset-data")
+    parser.add_argument("--checkpoint-dir", default="runs/dataset-demo")
+    parser.add_argument("--checkpoint-every", type=int, default=25)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+
+    ctx = elastic.init()
+    if ctx.is_leader:
+        ShardedFileDataset.materialise(Path(args.data_dir), args.dataset_size, args.seed)
+    torch.distributed.barrier()
+    dataset = ShardedFileDataset(Path(args.data_dir), args.dataset_size)
+    torch.manual_seed(args.seed)
+    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 4)).to(ctx.device)
+    ddp = DistributedDataParallel(model, process_group=ctx.process_group)
+    optim = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optim, T_max=args.steps)
+    sampler = elastic.ElasticSampler(len(dataset), seed=args.seed, drop_last=True)
+    ckpt = CheckpointManager(args.checkpoint_dir, process_group=ctx.checkpoint_group,
+                             round=ctx.round)
+    with elastic.ElasticLoop(ctx, state={"train": ModelOptimizerState(model, optim),
+                                         "scheduler": scheduler},
+                             checkpoint=ckpt, sampler=sampler, max_steps=args.steps,
+                             checkpoint_interval=args.checkpoint_every,
+                             global_batch_size=args.global_batch,
+                             micro_batch_size=args.micro_batch) as loop:
+        loader = DataLoader(dataset, batch_size=loop.micro_batch_size, sampler=sampler,
+                            num_workers=args.num_workers, persistent_workers=args.num_workers > 0)
+        for step in loop:
+            correct = 0
+            for x, y in loop.micro_batches(loader, ddp):
+                logits = ddp(x.to(ctx.device))
+                loop.scale_loss(nn.functional.cross_entropy(logits, y.to(ctx.device))).backward()
+                correct += int((logits.argmax(1).cpu() == y).sum())
+            optim.step()
+            optim.zero_grad(set_to_none=True)
+            scheduler.step()
+            loop.end_step()
+            if ctx.is_leader and (step + 1) % 10 == 0:
+                accuracy = correct / (loop.micro_batch_size * loop.grad_accum_steps)
+                print(f"[train_dataset] step {step + 1}/{args.steps} world={ctx.world_size} "
+                      f"epoch={sampler.epoch} accuracy={accuracy:.2f}", flush=True)
+    if ctx.is_leader and loop.finished:
+        print(f"[train_dataset] done: {loop.step} steps", flush=True)
+    return 143 if loop.drained else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
