@@ -85,7 +85,7 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
             return 0
         with self._lease_lock:
             if self._lease is None or self._lease.lost.is_set():
-                self._lease = Lease(self._client, self._state_ttl)
+                self._lease = self._client.lease(self._state_ttl)
             return self._lease.id
 
     def get_state(self) -> tuple[bytes, Any] | None:

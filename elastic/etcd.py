@@ -430,6 +430,21 @@ class EtcdClient:
             if "lease not found" not in str(exc):
                 raise
 
+    def lease(self, ttl: int, *, on_lost: Callable[[Lease], None] | None = None) -> Lease:
+        """Grants a lease of ``ttl`` seconds kept alive by a daemon thread (see :class:`Lease`)."""
+        return Lease(self, ttl, on_lost=on_lost)
+
+    def watch_prefix(
+        self, prefix: str, *, on_change: Callable[[Sequence[WatchEvent]], None] | None = None,
+        idle_reconnect: timedelta = timedelta(seconds=10),
+    ) -> PrefixWatch:
+        """Mirrors every key under ``prefix`` in memory (see :class:`PrefixWatch`)."""
+        return PrefixWatch(self, prefix, on_change=on_change, idle_reconnect=idle_reconnect)
+
+    def wait_for_keys(self, keys: Sequence[str], timeout: timedelta) -> list[KeyValue]:
+        """Blocks until every key exists, woken by a watch (see :func:`wait_for_keys`)."""
+        return wait_for_keys(self, keys, timeout)
+
     def close(self) -> None:
         """Closes the HTTP session (watches and leases have their own threads to stop)."""
         self._session.close()

@@ -101,6 +101,7 @@ class MembershipRegistry:
         self._watch: PrefixWatch | None = None
         self._lock = threading.Lock()
         self._round = -1
+        self._rank = -1
         self._world = 0
         self._seen: set[int] = set()
         self._lost: frozenset[int] = frozenset()
@@ -133,7 +134,7 @@ class MembershipRegistry:
         with self._lock:
             self._closed = False
             if self._lease is None or self._lease.lost.is_set():
-                self._lease = Lease(self._client, self._ttl, on_lost=self._on_lease_lost)
+                self._lease = self._client.lease(self._ttl, on_lost=self._on_lease_lost)
             lease = self._lease
         info = MemberInfo(group_rank, world_size, socket.gethostname(), os.getpid(),
                           time.time(), local_world_size)
@@ -143,12 +144,12 @@ class MembershipRegistry:
         if old_key is not None and old_key != key:
             self._client.delete(old_key)  # the old round is over; keep one key per node
         with self._lock:
-            self._round, self._world = round_, world_size
+            self._round, self._rank, self._world = round_, group_rank, world_size
             self._seen, self._lost = {group_rank}, frozenset()
             if self._watch is None or self._watch.failed.is_set():
                 if self._watch is not None:
                     self._watch.cancel()
-                self._watch = PrefixWatch(self._client, self._prefix, on_change=self._on_events)
+                self._watch = self._client.watch_prefix(self._prefix, on_change=self._on_events)
             watch = self._watch
         self._recompute(watch.items().keys())
         logger.info("registered as member %d of round %d (%d nodes, lease %x, ttl %d s)",
@@ -170,7 +171,10 @@ class MembershipRegistry:
                 return
             present = {rank for round_, rank in parsed_keys if round_ == self._round}
             self._seen |= present
-            lost = frozenset(r for r in self._seen if r not in present and r < self._world)
+            # This node's own key counts through its lease (own_lease_lost), never the mirror,
+            # which may not have caught up with the key it just wrote.
+            lost = frozenset(r for r in self._seen
+                             if r not in present and r < self._world and r != self._rank)
             if lost == self._lost:
                 return
             self._lost = lost

@@ -18,7 +18,7 @@ from datetime import timedelta
 import torch.distributed as dist
 from torch._C._distributed_c10d import Store
 
-from elastic.etcd import EtcdClient, wait_for_keys
+from elastic.etcd import EtcdClient
 
 
 def _encode(value: str | bytes | Sequence[int]) -> bytes:
@@ -74,7 +74,7 @@ class EtcdV3Store(Store):
 
     def _wait_for(self, keys: Sequence[str], timeout: timedelta) -> list[bytes]:
         try:
-            kvs = wait_for_keys(self._client, [self._key(k) for k in keys], timeout)
+            kvs = self._client.wait_for_keys([self._key(k) for k in keys], timeout)
         except TimeoutError as exc:
             raise dist.DistStoreError(
                 f"Timed out after {timeout.total_seconds():g} s waiting for store keys "

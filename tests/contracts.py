@@ -1,0 +1,206 @@
+"""Contract mixins: the same tests run against ``tests.fakes.FakeEtcd`` and a real etcd.
+
+``RendezvousBackendContract`` ports torch's ``RendezvousBackendTestMixin``
+(``test/distributed/elastic/rendezvous/rendezvous_backend_test.py``) to pytest: a subclass
+provides the ``backend`` and ``corrupt_state`` fixtures. ``StoreContract`` pins the parts of
+``torch.distributed.Store`` that torch's agent uses (blocking get, add, compare_set, wait,
+check, delete_key, num_keys, multi_get/multi_set, PrefixStore); a subclass provides ``store``.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from torch.distributed import DistStoreError, PrefixStore
+from torch.distributed.elastic.rendezvous import RendezvousStateError
+
+
+class RendezvousBackendContract:
+    """What every ``RendezvousBackend`` must do (torch's contract, plus our envelope)."""
+
+    @pytest.fixture
+    def backend(self) -> Any:
+        raise NotImplementedError
+
+    @pytest.fixture
+    def corrupt_state(self, backend: Any) -> Callable[[], None]:
+        raise NotImplementedError
+
+    def test_get_state_returns_backend_state(self, backend: Any) -> None:
+        backend.set_state(b"x")
+        result = backend.get_state()
+        assert result is not None
+        state, token = result
+        assert state == b"x"
+        assert token is not None
+
+    def test_get_state_returns_none_if_backend_state_does_not_exist(self, backend: Any) -> None:
+        assert backend.get_state() is None
+
+    def test_get_state_raises_a_one_sentence_error_if_backend_state_is_corrupt(
+        self, backend: Any, corrupt_state: Callable[[], None]
+    ) -> None:
+        corrupt_state()
+        with pytest.raises(RendezvousStateError,
+                           match=r"^The rendezvous state under etcd key \S+ is corrupt \(.*\); "
+                                 r"delete the key or use a new --job-id\.$"):
+            backend.get_state()
+
+    def test_set_state_sets_backend_state_if_it_does_not_exist(self, backend: Any) -> None:
+        state, token, has_set = backend.set_state(b"x")
+        assert (state, has_set) == (b"x", True)
+        assert token is not None
+
+    def test_set_state_sets_backend_state_if_token_is_current(self, backend: Any) -> None:
+        _, token1, has_set1 = backend.set_state(b"x")
+        state2, token2, has_set2 = backend.set_state(b"y", token1)
+        assert state2 == b"y"
+        assert token1 != token2
+        assert has_set1 and has_set2
+
+    def test_set_state_returns_current_backend_state_if_token_is_old(self, backend: Any) -> None:
+        _, token1, _ = backend.set_state(b"x")
+        state2, token2, _ = backend.set_state(b"y", token1)
+        state3, token3, has_set = backend.set_state(b"z", token1)
+        assert (state3, token3, has_set) == (state2, token2, False)
+        assert backend.get_state() == (b"y", token2)
+
+    def test_set_state_returns_current_backend_state_if_token_is_none(self, backend: Any) -> None:
+        state1, token1, _ = backend.set_state(b"x")
+        state2, token2, has_set = backend.set_state(b"y")
+        assert (state2, token2, has_set) == (state1, token1, False)
+
+    @pytest.mark.parametrize("token", ["invalid", 1.5, True, b"7"])
+    def test_set_state_returns_current_backend_state_if_token_is_invalid(
+        self, backend: Any, token: object
+    ) -> None:
+        state1, token1, _ = backend.set_state(b"x")
+        state2, token2, has_set = backend.set_state(b"y", token=token)
+        assert (state2, token2, has_set) == (state1, token1, False)
+        assert backend.get_state() == (b"x", token1)
+
+    def test_set_state_with_a_token_but_no_state_returns_none(self, backend: Any) -> None:
+        assert backend.set_state(b"x", 12345) is None
+
+    def test_only_one_of_many_concurrent_writers_with_the_same_token_wins(
+        self, backend: Any
+    ) -> None:
+        _, token, _ = backend.set_state(b"base")
+        results: list[tuple[bytes, Any, bool]] = []
+        lock = threading.Lock()
+
+        def write(i: int) -> None:
+            result = backend.set_state(f"w{i}".encode(), token)
+            with lock:
+                results.append(result)
+
+        threads = [threading.Thread(target=write, args=(i,)) for i in range(8)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(30)
+        winners = [r for r in results if r[2]]
+        assert len(results) == 8 and len(winners) == 1
+        final = backend.get_state()
+        assert final == (winners[0][0], winners[0][1])
+        assert all(r[0] == final[0] for r in results if not r[2] and r[1] == final[1])
+
+    def test_backend_name_is_the_registered_name(self, backend: Any) -> None:
+        assert backend.name == "etcd-v3"
+
+
+class StoreContract:
+    """What torch's agent needs from a ``torch.distributed.Store``."""
+
+    @pytest.fixture
+    def store(self) -> Any:
+        raise NotImplementedError
+
+    def test_set_then_get_returns_the_bytes(self, store: Any) -> None:
+        store.set("a", "1")
+        store.set("b", b"\x00\xff")
+        assert store.get("a") == b"1"
+        assert store.get("b") == b"\x00\xff"
+
+    def test_get_blocks_until_another_thread_sets_the_key(self, store: Any) -> None:
+        timer = threading.Timer(0.3, store.set, args=("late", "v"))
+        timer.start()
+        try:
+            assert store.get("late") == b"v"
+        finally:
+            timer.cancel()
+
+    def test_get_of_a_missing_key_raises_dist_store_error_after_the_timeout(
+        self, store: Any
+    ) -> None:
+        store.set_timeout(timedelta(seconds=0.3))
+        with pytest.raises(DistStoreError, match=r"^Timed out after 0\.3 s waiting for store "
+                                                 r"keys \['never'\]"):
+            store.get("never")
+
+    def test_wait_returns_once_every_key_exists_and_times_out_otherwise(
+        self, store: Any
+    ) -> None:
+        store.set("w1", "x")
+        timer = threading.Timer(0.2, store.set, args=("w2", "y"))
+        timer.start()
+        store.wait(["w1", "w2"], timedelta(seconds=10))
+        with pytest.raises(DistStoreError, match=r"\['w1', 'w3'\]"):
+            store.wait(["w1", "w3"], timedelta(seconds=0.2))
+
+    def test_add_counts_from_zero_and_is_atomic_across_threads(self, store: Any) -> None:
+        assert store.add("n", 5) == 5
+
+        def bump() -> None:
+            for _ in range(10):
+                store.add("n", 1)
+
+        threads = [threading.Thread(target=bump) for _ in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+        assert store.add("n", 0) == 45
+        assert store.get("n") == b"45"
+
+    def test_compare_set_follows_tcpstore_semantics(self, store: Any) -> None:
+        assert store.compare_set("cs", "x", "y") == b"x"  # missing key, expected not empty
+        assert not store.check(["cs"])
+        assert store.compare_set("cs", "", "first") == b"first"  # missing key, expected empty
+        assert store.compare_set("cs", "wrong", "z") == b"first"
+        assert store.compare_set("cs", "first", "second") == b"second"
+        assert store.get("cs") == b"second"
+
+    def test_check_delete_key_and_num_keys(self, store: Any) -> None:
+        assert store.num_keys() == 0
+        store.set("k1", "1")
+        store.set("k2", "2")
+        assert store.check(["k1", "k2"]) and not store.check(["k1", "k3"])
+        assert store.num_keys() == 2
+        assert store.delete_key("k1") is True
+        assert store.delete_key("k1") is False
+        assert store.num_keys() == 1
+
+    def test_multi_set_and_multi_get_round_trip(self, store: Any) -> None:
+        store.multi_set(["m1", "m2", "m3"], ["a", b"b", "c"])
+        assert store.multi_get(["m3", "m1", "m2"]) == [b"c", b"a", b"b"]
+
+    def test_works_under_a_prefix_store_as_torch_agent_uses_it(self, store: Any) -> None:
+        inner = PrefixStore("torchelastic/round1", store)
+        inner.set("rank0", "host:1234")
+        inner.multi_set(["x", "y"], ["1", "2"])
+        assert inner.get("rank0") == b"host:1234"
+        assert inner.multi_get(["x", "y"]) == [b"1", b"2"]
+        assert inner.add("count", 2) == 2
+        assert inner.check(["x"]) and not store.check(["x"])
+        assert store.get("torchelastic/round1/rank0") == b"host:1234"
+
+    def test_a_blocked_get_under_a_prefix_store_is_woken(self, store: Any) -> None:
+        inner = PrefixStore("p", store)
+        timer = threading.Timer(0.2, inner.set, args=("k", "v"))
+        timer.start()
+        assert inner.get("k") == b"v"
