@@ -57,7 +57,7 @@ def test_state_ttl_zero_keeps_the_state_forever(fake: FakeEtcd) -> None:
 
 def test_a_lost_state_lease_is_replaced_and_the_write_still_happens(fake: FakeEtcd) -> None:
     backend = EtcdV3RendezvousBackend(fake_client(fake), "job", state_ttl=60)
-    _, token, _ = backend.set_state(b"a")
+    backend.set_state(b"a")
     stored = fake.get(backend.key)
     assert stored is not None
     fake.expire_lease(stored.lease)  # also deletes the key, as etcd does
