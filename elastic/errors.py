@@ -20,5 +20,10 @@ class EtcdUnavailableError(ElasticError, ConnectionError):
     """No etcd endpoint answered within the configured deadline."""
 
 
+class EtcdAccessError(EtcdUnavailableError):
+    """etcd answered but refused this client (TLS trust, client certificate, credentials or
+    permissions); retrying cannot help, so it is raised at once rather than at the deadline."""
+
+
 class MembershipChangedError(ElasticError):
     """Control flow, not a failure: the set of nodes changed and the step must be abandoned."""

@@ -23,13 +23,15 @@ Wire notes: the gateway base64-encodes keys and values and sends int64 fields as
 from __future__ import annotations
 
 import base64
+import contextlib
 import logging
+import os
 import re
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Final
+from typing import Any, Final, NoReturn
 
 import requests
 from tenacity import (
@@ -40,7 +42,8 @@ from tenacity import (
     wait_exponential_jitter,
 )
 
-from elastic.errors import ConfigError, EtcdUnavailableError
+from elastic import env
+from elastic.errors import ConfigError, EtcdAccessError, EtcdUnavailableError
 
 logger = logging.getLogger(__name__)
 
@@ -110,6 +113,61 @@ class EtcdConfig:
             raise ConfigError("an etcd client key was given without a certificate; pass both.")
         if self.password and not self.username:
             raise ConfigError("an etcd password was given without a username; pass both.")
+
+
+def config_from_env(
+    endpoints: str | Sequence[str],
+    *,
+    protocol: str | None = None,
+    ca_cert: str | None = None,
+    cert: str | None = None,
+    key: str | None = None,
+    request_timeout: timedelta = timedelta(seconds=5),
+    deadline: timedelta = timedelta(seconds=10),
+) -> EtcdConfig:
+    """Builds an :class:`EtcdConfig`, taking TLS files and credentials from the environment.
+
+    Arguments given here win over ``ELASTIC_ETCD_{CA_CERT,CERT,KEY}``; the user and password
+    come only from ``ELASTIC_ETCD_USERNAME``/``ELASTIC_ETCD_PASSWORD`` (never a command line,
+    which every local user can read). Every client of elastic-run (the rendezvous, the start-up
+    probe, ``elastic-run status``) builds its configuration here, so they agree.
+
+    Args:
+        endpoints: ``host:port[,host:port...]`` text, or the endpoints already split.
+        protocol: ``http`` or ``https``; by default ``https`` when a CA or a client
+            certificate is configured.
+        ca_cert: CA bundle (default ``$ELASTIC_ETCD_CA_CERT``).
+        cert: client certificate (default ``$ELASTIC_ETCD_CERT``).
+        key: client key (default ``$ELASTIC_ETCD_KEY``).
+        request_timeout: how long one HTTP request may take.
+        deadline: how long a call may keep retrying.
+
+    Raises:
+        ConfigError: for an unparsable endpoint, a TLS file that does not exist, or a key or
+            password without its certificate or user.
+    """
+    parsed = parse_endpoints(endpoints) if isinstance(endpoints, str) else tuple(endpoints)
+    ca_cert = ca_cert or os.environ.get(env.ETCD_CA_CERT) or None
+    cert = cert or os.environ.get(env.ETCD_CERT) or None
+    key = key or os.environ.get(env.ETCD_KEY) or None
+    for what, variable, path in (("CA bundle", env.ETCD_CA_CERT, ca_cert),
+                                 ("client certificate", env.ETCD_CERT, cert),
+                                 ("client key", env.ETCD_KEY, key)):
+        if path and not os.path.isfile(path):
+            raise ConfigError(
+                f"the etcd {what} ({path}) is not a file; point {variable} at a PEM file."
+            )
+    return EtcdConfig(
+        endpoints=parsed,
+        protocol=protocol or ("https" if ca_cert or cert else "http"),
+        request_timeout=request_timeout,
+        deadline=deadline,
+        ca_cert=ca_cert,
+        cert=cert,
+        key=key,
+        username=os.environ.get(env.ETCD_USERNAME) or None,
+        password=os.environ.get(env.ETCD_PASSWORD) or None,
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -234,17 +292,19 @@ class EtcdClient:
                 timeout=self.config.request_timeout.total_seconds(),
             )
         except requests.RequestException as exc:
-            self.rotate(url)
-            raise _Transient(f"{url}: {type(exc).__name__}") from exc
-        if reply.status_code == 401 and self.config.username:
-            # An expired or revoked token: log in again, then retry the call.
+            self._raise_unless_tls_refusal(url, exc)
+        if self.config.username and reply.status_code != 200 and (
+            reply.status_code == 401 or _AUTH_REVISION_OLD in _grpc_message(reply)
+        ):
+            # An expired or revoked token, or one issued before the last change to etcd's
+            # users and roles (JWT tokens carry that revision): log in again, then retry.
             self._authenticate(headers.get("Authorization"))
             raise _Transient("auth token refreshed")
         if reply.status_code >= 500 or reply.status_code in (408, 429):
             self.rotate(url)
             raise _Transient(f"{url}: HTTP {reply.status_code} {reply.text[:200].strip()}")
         if reply.status_code != 200:
-            raise EtcdUnavailableError(_rejection(url, reply))
+            raise EtcdAccessError(_rejection(url, reply, payload.get("key")))
         data: dict[str, Any] = reply.json()
         return data
 
@@ -263,18 +323,28 @@ class EtcdClient:
                     timeout=self.config.request_timeout.total_seconds(),
                 )
             except requests.RequestException as exc:
-                self.rotate(url)
-                raise _Transient(f"{url}: {type(exc).__name__}") from exc
+                self._raise_unless_tls_refusal(url, exc)
             if reply.status_code >= 500:
                 self.rotate(url)
                 raise _Transient(f"{url}: HTTP {reply.status_code}")
             if reply.status_code != 200:
-                raise EtcdUnavailableError(
-                    f"etcd ({url}) refused the credentials of user {username!r} "
-                    f"({_grpc_message(reply)}); check ELASTIC_ETCD_USERNAME and "
-                    "ELASTIC_ETCD_PASSWORD."
+                message = _grpc_message(reply)
+                if _GATEWAY_CN in message:
+                    raise EtcdAccessError(_rejection(url, reply))
+                # The reply names neither the password nor the token: safe to quote.
+                raise EtcdAccessError(
+                    f"etcd ({url}) refused the credentials of user {username!r} ({message}); "
+                    f"check {env.ETCD_USERNAME} and {env.ETCD_PASSWORD}."
                 )
             self._token = str(reply.json()["token"])
+
+    def _raise_unless_tls_refusal(self, url: str, exc: requests.RequestException) -> NoReturn:
+        """Raises EtcdAccessError for a TLS set-up no retry can fix; else a transient error."""
+        refusal = _tls_refusal(url, exc, self.config)
+        if refusal is not None:
+            raise EtcdAccessError(refusal) from exc
+        self.rotate(url)
+        raise _Transient(f"{url}: {type(exc).__name__}") from exc
 
     def call(
         self, path: str, payload: dict[str, Any], *, deadline: timedelta | None = None
@@ -460,12 +530,59 @@ def _grpc_message(reply: requests.Response) -> str:
     return str(body)[:200]
 
 
-def _rejection(url: str, reply: requests.Response) -> str:
+_AUTH_REVISION_OLD: Final = "revision of auth store is old"
+_GATEWAY_CN: Final = "CommonName of client sending a request against gateway"
+_SSL_REASON: Final = re.compile(r"\[SSL: ([A-Z0-9_]+)\] ([^(']+?)\s*\(_ssl")
+# Alerts etcd sends when it rejects the client's certificate (none, or from an unknown CA).
+_CLIENT_CERT_ALERTS: Final = ("ALERT_BAD_CERTIFICATE", "ALERT_CERTIFICATE_REQUIRED",
+                              "ALERT_UNKNOWN_CA", "ALERT_CERTIFICATE_UNKNOWN")
+
+
+def _tls_refusal(url: str, exc: requests.RequestException, config: EtcdConfig) -> str | None:
+    """The one-sentence error for a TLS failure that retrying cannot fix, else ``None``."""
+    if not isinstance(exc, requests.exceptions.SSLError):
+        return None
+    match = _SSL_REASON.search(str(exc))
+    if match is None:
+        return None  # e.g. an EOF mid-handshake while etcd restarts: worth retrying
+    code, reason = match.groups()
+    if code == "CERTIFICATE_VERIFY_FAILED":
+        trusted = config.ca_cert or "the system CA store"
+        return (
+            f"etcd ({url}) presented a server certificate that {trusted} does not trust "
+            f"({reason}); point {env.ETCD_CA_CERT} at the CA that signed etcd's certificate."
+        )
+    if any(alert in code for alert in _CLIENT_CERT_ALERTS):
+        given = config.cert or "none was given"
+        return (
+            f"etcd ({url}) refused this client's TLS certificate ({given}: {reason}); set "
+            f"{env.ETCD_CERT} and {env.ETCD_KEY} to a certificate signed by a CA etcd trusts."
+        )
+    if code == "WRONG_VERSION_NUMBER":
+        return (
+            f"etcd ({url}) does not speak TLS ({reason}); use an http endpoint, or unset "
+            f"{env.ETCD_CA_CERT} and {env.ETCD_CERT}."
+        )
+    return None
+
+
+def _rejection(url: str, reply: requests.Response, key: Any = None) -> str:
     message = _grpc_message(reply)
     if "user name is empty" in message or "invalid auth token" in message:
-        hint = "etcd requires authentication; set ELASTIC_ETCD_USERNAME and ELASTIC_ETCD_PASSWORD."
+        hint = (f"etcd requires authentication; set {env.ETCD_USERNAME} and "
+                f"{env.ETCD_PASSWORD}.")
     elif "permission denied" in message:
-        hint = "grant the etcd user read/write access to the job's key prefix."
+        where = ""
+        if isinstance(key, str):
+            with contextlib.suppress(ValueError):
+                where = f" (here {base64.b64decode(key).decode()})"
+        hint = f"grant the etcd user read/write access to the job's key prefix{where}."
+    elif _GATEWAY_CN in message:
+        # etcd's JSON gateway cannot pass a certificate's CN on as the user, so with auth on
+        # it refuses any client certificate that has one.
+        hint = (f"with auth enabled etcd's gateway refuses client certificates that have a "
+                f"CommonName; issue the one in {env.ETCD_CERT} without a CN (e.g. "
+                "-subj /O=elastic-run) and log in with user and password.")
     else:
         hint = "check the etcd version (3.4 or later) and the request."
     return f"etcd ({url}) rejected the request with HTTP {reply.status_code} ({message}); {hint}"
@@ -547,6 +664,7 @@ __all__ = [
     "Lease",
     "PrefixWatch",
     "WatchEvent",
+    "config_from_env",
     "parse_endpoints",
     "wait_for_keys",
 ]

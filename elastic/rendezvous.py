@@ -64,6 +64,7 @@ DEFAULTS: Final[dict[str, float]] = {
 }
 """Numeric ``--rdzv-conf`` keys and their defaults (seconds, or a count)."""
 
+_ZERO_ALLOWED: Final = frozenset({"state_ttl"})
 _STRING_KEYS: Final = frozenset({"key_prefix", "protocol", "ca_cert", "ssl_cert", "ssl_cert_key"})
 # Keys torch's own launcher puts into the rendezvous config for every backend.
 _TORCH_KEYS: Final = frozenset({"timeout", "is_host", "rank", "use_libuv", "local_addr"})
@@ -114,24 +115,21 @@ def create_client(params: RendezvousParameters) -> EtcdClient:
     """
     from elastic import env
     from elastic.errors import ConfigError
-    from elastic.etcd import EtcdClient, EtcdConfig, parse_endpoints
+    from elastic.etcd import EtcdClient, config_from_env
 
     endpoint = params.endpoint or os.environ.get(env.ETCD_ENDPOINTS, "")
     if not endpoint:
         raise ConfigError(
             f"no etcd endpoint given; pass --rdzv-endpoint host:port or set {env.ETCD_ENDPOINTS}."
         )
-    ca_cert = params.config.get("ca_cert") or os.environ.get(env.ETCD_CA_CERT)
-    return EtcdClient(EtcdConfig(
-        endpoints=parse_endpoints(endpoint),
-        protocol=str(params.config.get("protocol") or ("https" if ca_cert else "http")),
+    return EtcdClient(config_from_env(
+        endpoint,
+        protocol=params.config.get("protocol") or None,
+        ca_cert=params.config.get("ca_cert") or None,
+        cert=params.config.get("ssl_cert") or None,
+        key=params.config.get("ssl_cert_key") or None,
         request_timeout=timedelta(seconds=_number(params, "read_timeout")),
         deadline=timedelta(seconds=_number(params, "deadline")),
-        ca_cert=ca_cert,
-        cert=params.config.get("ssl_cert") or os.environ.get(env.ETCD_CERT),
-        key=params.config.get("ssl_cert_key") or os.environ.get(env.ETCD_KEY),
-        username=os.environ.get(env.ETCD_USERNAME) or None,
-        password=os.environ.get(env.ETCD_PASSWORD) or None,
     ))
 
 
@@ -198,6 +196,8 @@ def create_rdzv_handler(params: RendezvousParameters) -> RendezvousHandler:
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
 
     _warn_unknown_keys(params)
+    for key in DEFAULTS:  # every bad value is reported before anything touches the network
+        _number(params, key, allow_zero=key in _ZERO_ALLOWED)
     client = create_client(params)
     key_prefix = str(params.config.get("key_prefix", "/elastic"))
     backend = EtcdV3RendezvousBackend(

@@ -1,67 +1,65 @@
 """A start-up check that etcd answers, so a wrong endpoint fails in seconds, not at join timeout.
 
-Uses the project's etcd facade (``elastic.etcd.EtcdClient``) when it is importable; otherwise a
-plain HTTP call to the v3 JSON gateway (``/v3/maintenance/status``), one attempt per endpoint
-per round until the deadline.
+It uses the project's etcd client with the same TLS files and credentials as the rendezvous
+(``--rdzv-conf`` keys, then the ``ELASTIC_ETCD_*`` environment variables), so a CA that does not
+match, a client certificate etcd refuses or a wrong password is reported at once, in one
+sentence naming the endpoint, instead of after the rendezvous deadline. An etcd that is not up
+yet is retried until the timeout.
 """
 
 from __future__ import annotations
 
 import logging
-import time
+from collections.abc import Mapping
 from datetime import timedelta
-from typing import Final
+from typing import Any, Final
 
-import requests
-from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_fixed
-
-from elastic.errors import EtcdUnavailableError
+from elastic.errors import EtcdAccessError, EtcdUnavailableError
 
 logger = logging.getLogger(__name__)
 
 _PATH: Final = "/v3/maintenance/status"
-_ATTEMPT_TIMEOUT_S: Final = 1.0
+_ATTEMPT_TIMEOUT_S: Final = 2.0
 
 
-def _url(endpoint: str) -> str:
-    return endpoint if endpoint.startswith(("http://", "https://")) else f"http://{endpoint}"
+def probe(endpoints: str, timeout: timedelta, conf: Mapping[str, Any] | None = None) -> None:
+    """Return once an endpoint of ``endpoints`` answers and accepts this client.
 
-
-def _status_once(endpoints: list[str], attempt_timeout: float) -> None:
-    errors = []
-    for endpoint in endpoints:
-        try:
-            resp = requests.post(_url(endpoint) + _PATH, json={}, timeout=attempt_timeout)
-        except requests.RequestException as exc:
-            errors.append(f"{endpoint}: {type(exc).__name__}")
-            continue
-        if resp.status_code < 500:
-            return  # even 401 (auth on) proves an etcd is listening there
-        errors.append(f"{endpoint}: HTTP {resp.status_code}")
-    raise ConnectionError("; ".join(errors))
-
-
-def probe(endpoints: str, timeout: timedelta) -> None:
-    """Return once any endpoint of ``endpoints`` answers; raise after ``timeout``.
+    Args:
+        endpoints: ``host:port[,host:port...]``.
+        timeout: how long to keep trying while nothing answers.
+        conf: the rendezvous configuration (``protocol``, ``ca_cert``, ``ssl_cert``,
+            ``ssl_cert_key``); missing keys come from the environment.
 
     Raises:
+        EtcdAccessError: etcd answered but refused this client (TLS or credentials).
         EtcdUnavailableError: nothing answered within ``timeout``.
+        ConfigError: an endpoint or a TLS file is invalid.
     """
-    items = [e.strip() for e in endpoints.split(",") if e.strip()]
-    deadline_s = max(timeout.total_seconds(), 0.1)
-    started = time.monotonic()
-    attempt_timeout = min(_ATTEMPT_TIMEOUT_S, deadline_s)
-    policy = Retrying(
-        stop=stop_after_delay(deadline_s),
-        wait=wait_fixed(0.25),
-        retry=retry_if_exception_type(ConnectionError),
-        reraise=True,
+    from elastic.etcd import EtcdClient, config_from_env
+
+    conf = conf or {}
+    deadline = timedelta(seconds=max(timeout.total_seconds(), 0.1))
+    config = config_from_env(
+        endpoints,
+        protocol=conf.get("protocol") or None,
+        ca_cert=conf.get("ca_cert") or None,
+        cert=conf.get("ssl_cert") or None,
+        key=conf.get("ssl_cert_key") or None,
+        request_timeout=min(timedelta(seconds=_ATTEMPT_TIMEOUT_S), deadline),
+        deadline=deadline,
     )
+    client = EtcdClient(config)
     try:
-        policy(_status_once, items, attempt_timeout)
-    except ConnectionError as exc:
+        # With credentials configured this logs in first, so a wrong password fails here.
+        client.call(_PATH, {})
+    except EtcdAccessError:
+        raise
+    except EtcdUnavailableError as exc:
+        last = exc.__cause__ or exc  # the last transient failure, e.g. "url: ConnectionError"
         raise EtcdUnavailableError(
-            f"no etcd answered at ({', '.join(items)}) within "
-            f"{time.monotonic() - started:.0f} s ({exc}); check --etcd / ELASTIC_ETCD_ENDPOINTS "
-            "and that etcd is running."
+            f"no etcd answered at ({endpoints}) within {deadline.total_seconds():g} s (last "
+            f"error: {last}); check --etcd / ELASTIC_ETCD_ENDPOINTS and that etcd is running."
         ) from exc
+    finally:
+        client.close()

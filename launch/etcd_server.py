@@ -22,6 +22,7 @@ import socket
 import subprocess
 import tempfile
 import time
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -30,6 +31,7 @@ from types import TracebackType
 from typing import Final
 
 import requests
+import urllib3
 
 from elastic import env
 from elastic.errors import ConfigError, ElasticError
@@ -103,7 +105,9 @@ class ServerTls:
     key_file: str
     """PEM private key of ``cert_file``."""
     trusted_ca_file: str | None = None
-    """When set, clients must present a certificate signed by this CA."""
+    """When set, clients must present a certificate signed by this CA. The readiness check then
+    presents ``cert_file`` itself, so that certificate must allow client authentication too (as
+    etcd's own JSON gateway needs: it calls the gRPC server with the server certificate)."""
 
     def __post_init__(self) -> None:
         for name in ("cert_file", "key_file", "trusted_ca_file"):
@@ -126,6 +130,7 @@ class EmbeddedEtcd:
             strings or one comma-separated string; this member alone when ``None``.
         cluster_state: ``new`` or ``existing``.
         tls: serve clients over HTTPS with these files.
+        extra_args: further etcd flags (e.g. ``--auth-token-ttl 1`` for token-expiry tests).
 
     Raises:
         EtcdBinaryNotFoundError: when no etcd executable is found.
@@ -143,6 +148,7 @@ class EmbeddedEtcd:
         cluster: Sequence[str] | str | None = None,
         cluster_state: str = "new",
         tls: ServerTls | None = None,
+        extra_args: Sequence[str] = (),
     ) -> None:
         if cluster_state not in ("new", "existing"):
             raise ConfigError(f"etcd cluster_state ({cluster_state!r}) must be new or existing.")
@@ -155,6 +161,7 @@ class EmbeddedEtcd:
             cluster)
         self._cluster_state = cluster_state
         self._tls = tls
+        self._extra_args = list(extra_args)
         self._owns_data_dir = data_dir is None
         self._data_dir = data_dir or tempfile.mkdtemp(prefix="elastic-etcd-")
         self._log_path = Path(self._data_dir).with_name(Path(self._data_dir).name + ".log")
@@ -216,7 +223,7 @@ class EmbeddedEtcd:
             cmd += ["--cert-file", self._tls.cert_file, "--key-file", self._tls.key_file]
             if self._tls.trusted_ca_file:
                 cmd += ["--trusted-ca-file", self._tls.trusted_ca_file, "--client-cert-auth"]
-        return cmd
+        return cmd + self._extra_args
 
     def launch(self) -> None:
         """Starts the etcd process without waiting for it (see :meth:`wait_healthy`)."""
@@ -257,6 +264,8 @@ class EmbeddedEtcd:
         session.trust_env = False
         if self._tls is not None:
             session.verify = False  # readiness only; the tests check certificates themselves
+            if self._tls.trusted_ca_file:  # etcd refuses a TLS client without a certificate
+                session.cert = (self._tls.cert_file, self._tls.key_file)
         deadline = time.monotonic() + timeout.total_seconds()
         try:
             while time.monotonic() < deadline:
@@ -265,7 +274,10 @@ class EmbeddedEtcd:
                         f"etcd ({self._binary}) exited with code {process.returncode} while "
                         f"starting; its log ends with: {self._log_tail()}"
                     )
-                with contextlib.suppress(requests.RequestException, ValueError):
+                with contextlib.suppress(requests.RequestException, ValueError), \
+                        warnings.catch_warnings():
+                    # verify=False above is deliberate; don't warn about it on every poll.
+                    warnings.simplefilter("ignore", urllib3.exceptions.InsecureRequestWarning)
                     reply = session.get(f"{self.client_url}/health", timeout=1.0)
                     if reply.ok and reply.json().get("health") in ("true", True):
                         return

@@ -19,6 +19,7 @@ from elastic import env
 from elastic.errors import ConfigError, EtcdUnavailableError
 
 EXIT_OK: Final = 0
+EXIT_NOT_FOUND: Final = 1
 EXIT_BAD_INPUT: Final = 2
 EXIT_UNAVAILABLE: Final = 3
 
@@ -34,8 +35,15 @@ def build_parser() -> argparse.ArgumentParser:
         default=os.environ.get(env.ETCD_ENDPOINTS, ""),
         help=f"etcd endpoints host:port[,host:port...] (env {env.ETCD_ENDPOINTS}).",
     )
+    parser.add_argument("--key-prefix", default="/elastic",
+                        help="The job's --rdzv-conf key_prefix (default /elastic).")
     parser.add_argument("--timeout", type=float, default=10.0,
                         help="Seconds to wait for etcd (default 10).")
+    parser.epilog = (
+        "TLS files and credentials come from ELASTIC_ETCD_CA_CERT, ELASTIC_ETCD_CERT, "
+        "ELASTIC_ETCD_KEY, ELASTIC_ETCD_USERNAME and ELASTIC_ETCD_PASSWORD, as for the job. "
+        "Exit codes: 0 shown; 1 the job has no live member; 2 bad input; 3 etcd unusable."
+    )
     return parser
 
 
@@ -77,9 +85,17 @@ def format_status(job_id: str, status: Any, *, now: float | None = None) -> str:
     fields = _as_mapping(status)
     members = list(fields.get("members") or ())
     world = fields.get("world_size", len(members))
-    lines = [f"job {job_id}: round {fields.get('round', '?')}, world size {world}, "
+    expected = fields.get("expected_size") or 0
+    formed = f" (formed with {expected}: a node was lost)" if expected > world else ""
+    lines = [f"job {job_id}: round {fields.get('round', '?')}, world size {world}{formed}, "
              f"{len(members)} member(s)"]
-    for member in sorted(members, key=lambda m: str(_as_mapping(m).get("node_id", m))):
+
+    def order(member: Any) -> tuple[int, str]:
+        info = _as_mapping(member)
+        rank = info.get("group_rank")
+        return (rank if isinstance(rank, int) else -1, str(info.get("node_id", member)))
+
+    for member in sorted(members, key=order):
         info = _as_mapping(member)
         parts = []
         for name, value in info.items():
@@ -93,35 +109,41 @@ def format_status(job_id: str, status: Any, *, now: float | None = None) -> str:
     return "\n".join(lines)
 
 
-def _read(job_id: str, endpoints: str, timeout: float) -> Any:
-    from elastic.etcd import EtcdClient, EtcdConfig, parse_endpoints
+def _read(job_id: str, endpoints: str, timeout: float, key_prefix: str) -> Any:
+    from elastic.etcd import EtcdClient, config_from_env
     from elastic.membership import read_job_status
 
-    config = EtcdConfig(endpoints=parse_endpoints(endpoints),
-                        request_timeout=timedelta(seconds=timeout))
-    client = EtcdClient(config)
+    limit = timedelta(seconds=timeout)
+    client = EtcdClient(config_from_env(endpoints, request_timeout=limit, deadline=limit))
     try:
-        return read_job_status(client, job_id)
+        return read_job_status(client, job_id, key_prefix=key_prefix)
     finally:
-        close = getattr(client, "close", None)
-        if callable(close):
-            close()
+        client.close()
 
 
 def main(argv: Iterable[str]) -> int:
     """Print the status of one job; return the exit code."""
     args = build_parser().parse_args(list(argv))
     if not args.etcd:
-        sys.stderr.write(f"elastic-run: error: no etcd endpoint given; pass --etcd host:port or "
-                         f"set {env.ETCD_ENDPOINTS}.\n")
-        return EXIT_BAD_INPUT
+        return _fail(f"no etcd endpoint given; pass --etcd host:port or set "
+                     f"{env.ETCD_ENDPOINTS}.", EXIT_BAD_INPUT)
+    if args.timeout <= 0:
+        return _fail(f"--timeout ({args.timeout:g}) must be positive.", EXIT_BAD_INPUT)
     try:
-        status = _read(args.job_id, args.etcd, args.timeout)
+        status = _read(args.job_id, args.etcd, args.timeout, args.key_prefix)
     except ConfigError as exc:
-        sys.stderr.write(f"elastic-run: error: {exc}\n")
-        return EXIT_BAD_INPUT
+        return _fail(str(exc), EXIT_BAD_INPUT)
     except (EtcdUnavailableError, ConnectionError) as exc:
-        sys.stderr.write(f"elastic-run: error: {exc}\n")
-        return EXIT_UNAVAILABLE
+        return _fail(str(exc), EXIT_UNAVAILABLE)
+    if status is None:
+        return _fail(
+            f"job ({args.job_id}) has no live member in etcd ({args.etcd}); check --job-id "
+            "(the job may also not have started yet, or have finished).", EXIT_NOT_FOUND,
+        )
     print(format_status(args.job_id, status))
     return EXIT_OK
+
+
+def _fail(message: str, code: int) -> int:
+    sys.stderr.write(f"elastic-run: error: {message}\n")
+    return code

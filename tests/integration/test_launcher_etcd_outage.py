@@ -67,3 +67,34 @@ def test_etcd_down_past_the_deadline_stops_the_job_naming_the_endpoints(
         assert all(code == 3 for code in codes), c.logs()
         for agent in agents:
             assert endpoint in agent.output().split("elastic-run: error:")[-1], c.logs()
+
+
+def test_a_three_member_etcd_cluster_loses_a_member_with_no_visible_effect(
+    tmp_path: Path,
+) -> None:
+    from launch.etcd_server import EmbeddedEtcdCluster, find_etcd_binary
+
+    try:
+        binary = find_etcd_binary()
+    except FileNotFoundError as exc:
+        pytest.skip(str(exc))
+    stop = tmp_path / "stop"
+    with EmbeddedEtcdCluster(3, binary=binary) as etcd, \
+            cluster(tmp_path, etcd.endpoints, f"quorum-{uuid.uuid4().hex[:8]}") as c:
+        wargs = c.worker_args("--stop-file", str(stop), steps=100_000)
+        agents = [c.start_elastic("--nnodes", "2", "--max-restarts", "0", worker_args=wargs)
+                  for _ in range(2)]
+        c.wait_for(lambda st: any(s.world == 2 for s in st), 90, "a world of 2")
+        before = c.steps()
+        rounds, pids = {s.round for s in before}, {s.pid for s in before}
+        # The first endpoint is where every client starts: losing it forces the rotation.
+        etcd.members[0].kill()
+        n = len(before)
+        c.wait_for(lambda st: len(st) >= n + 30, 60, "training to go on without member m0")
+        stop.touch()
+        assert [a.wait(60) for a in agents] == [0, 0], c.logs()
+        after = c.steps()
+        # No visible effect: no new rendezvous round, no restarted worker, nothing logged as lost.
+        assert {s.round for s in after} == rounds, c.logs()
+        assert {s.pid for s in after} == pids, c.logs()
+        assert all(s.world == 2 for s in after), c.logs()

@@ -49,3 +49,23 @@ def test_status_without_endpoints_is_a_usage_error(
     monkeypatch.delenv("ELASTIC_ETCD_ENDPOINTS", raising=False)
     assert main(["--job-id", "x"]) == 2
     assert "no etcd endpoint given" in capsys.readouterr().err
+
+
+def test_an_unknown_job_is_an_error_naming_the_job_id(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import launch.status as status
+
+    monkeypatch.setattr(status, "_read", lambda *args: None)
+    assert main(["--job-id", "nope", "--etcd", "127.0.0.1:2379"]) == status.EXIT_NOT_FOUND
+    err = capsys.readouterr().err
+    assert err.startswith("elastic-run: error: job (nope) has no live member in etcd "
+                          "(127.0.0.1:2379); check --job-id")
+
+
+def test_a_round_that_lost_a_member_says_so() -> None:
+    status = _Status(round=3, world_size=1, members=(_Member("a", "h", 1, 0.0),))
+    text = format_status("j", {**status.__dict__, "expected_size": 2}, now=1.0)
+    assert text.splitlines()[0] == (
+        "job j: round 3, world size 1 (formed with 2: a node was lost), 1 member(s)"
+    )
