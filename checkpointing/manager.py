@@ -2,10 +2,11 @@
 
 Save protocol (ARCHITECTURE.md 4.6): every rank stages its state into reusable host buffers,
 then a daemon I/O thread runs ``torch.distributed.checkpoint.save`` into a fresh attempt
-directory ``step-{step:010d}_r{round:04d}``. When DCP returns, every shard and ``.metadata``
-are persisted; each rank checksums its own files, the coordinator gathers them, writes
-``COMMIT.json`` last and then ``latest.json``, and applies retention. A directory without a
-valid commit record is never loaded.
+directory ``step-{step:010d}_r{round:04d}`` through :class:`~checkpointing.shard_io.ShardWriter`
+(retried, checksummed as written, fsynced). When DCP returns, every shard and ``.metadata`` are
+durable; the coordinator gathers each rank's sizes and CRC32s, checks them against a listing,
+writes ``COMMIT.json`` last and then ``latest.json``, and applies retention. A directory without
+a valid commit record is never loaded.
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ from types import TracebackType
 from typing import Any
 
 import torch.distributed as dist
-from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
-from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
@@ -48,8 +49,9 @@ from checkpointing.layout import (
     parse_latest,
 )
 from checkpointing.retention import plan_retention
+from checkpointing.shard_io import ShardWriter
 from checkpointing.staging import HostStager
-from checkpointing.storage import Storage
+from checkpointing.storage import STORAGE_RETRY_DEADLINE_S, Storage
 
 logger = logging.getLogger(__name__)
 
@@ -114,6 +116,10 @@ class CheckpointManager:
         run_id: Recorded in each commit record; random when ``None``.
         round: Rendezvous round, part of each attempt directory name.
         keep_every: Keep committed steps divisible by this for good.
+        retry_deadline: How long one storage call's transient errors (connection resets, 5xx,
+            throttling, an outage) are retried before that save fails.
+        io_threads: Shard files each rank writes in parallel; ``None``: 1 on local disk
+            (one sequential stream is fastest there), 4 on remote storage.
 
     Raises:
         ValueError: If an argument is invalid.
@@ -131,6 +137,8 @@ class CheckpointManager:
         run_id: str | None = None,
         round: int = 0,
         keep_every: int | None = None,
+        retry_deadline: timedelta = timedelta(seconds=STORAGE_RETRY_DEADLINE_S),
+        io_threads: int | None = None,
     ) -> None:
         if keep_last < 1:
             raise ValueError(f"keep_last ({keep_last}) must be at least 1; pass 1 or more.")
@@ -144,7 +152,12 @@ class CheckpointManager:
         self.keep_every = keep_every
         self.round = round
         self.run_id = run_id or uuid.uuid4().hex
-        self.storage = Storage(url, storage_options)
+        if io_threads is not None and io_threads < 1:
+            raise ValueError(f"io_threads ({io_threads}) must be at least 1 or None.")
+        self.storage = Storage(
+            url, storage_options, retry_deadline_s=retry_deadline.total_seconds()
+        )
+        self.io_threads = io_threads or (1 if self.storage.is_local else 4)
         self._distributed = dist.is_available() and dist.is_initialized()
         if self._distributed and process_group is None:
             # DCP's collectives run on the I/O thread; sharing the training group would let
@@ -242,27 +255,13 @@ class CheckpointManager:
         self, step: int, dir_name: str, host_state: dict[str, Any], user_meta: dict[str, Any]
     ) -> CheckpointInfo:
         t0 = time.monotonic()
-        dir_url = self.storage.url_of(dir_name)
-        writer: FileSystemWriter | FsspecWriter
-        if self.storage.is_local:
-            writer = FileSystemWriter(dir_url, sync_files=True)
-        else:
-            writer = FsspecWriter(dir_url, sync_files=True, **self.storage.storage_options)
+        dir_path = self.storage.path(dir_name)
+        writer = ShardWriter(self.storage, dir_path, sync=True, thread_count=self.io_threads)
         dcp_save(host_state, storage_writer=writer, process_group=self._pg)
         persist_s = time.monotonic() - t0
-        # Checksums are spread over the ranks: each hashes the shard files it wrote.
-        dir_path = self.storage.path(dir_name)
-        sizes = self.storage.list_files(dir_path)
-        mine = {
-            rel: size for rel, size in sizes.items()
-            if self._owner_of(rel) == self._rank and rel != COMMIT_FILE
-        }
-        entries = {
-            rel: FileEntry(
-                size=size, crc32=crc32(self.storage.read_bytes(f"{dir_path}/{rel}"))
-            )
-            for rel, size in mine.items()
-        }
+        # Each rank checksummed the files it wrote while writing them; the coordinator
+        # gathers the entries and checks them against what the storage lists.
+        entries = writer.written()
         gathered: list[dict[str, FileEntry] | None] = [entries]
         if self._distributed:
             gathered = [None] * self._world if self._rank == 0 else []
@@ -275,6 +274,7 @@ class CheckpointManager:
                 files: dict[str, FileEntry] = {}
                 for part in gathered:
                     files.update(part or {})
+                self._check_listing(dir_name, files)
                 rec = CommitRecord(
                     step=step, round=self.round, world_size=self._world, run_id=self.run_id,
                     created_at=time.time(), files=files, metadata=user_meta,
@@ -300,13 +300,24 @@ class CheckpointManager:
             )
         return result
 
-    def _owner_of(self, rel: str) -> int:
-        # DCP names shard files "__{rank}_{n}.distcp"; anything else is the coordinator's.
-        if rel.startswith("__"):
-            head = rel[2:].split("_", 1)[0]
-            if head.isdigit() and int(head) < self._world:
-                return int(head)
-        return 0
+    def _check_listing(self, dir_name: str, files: Mapping[str, FileEntry]) -> None:
+        """Fail unless the storage lists exactly the written files, each at its written size."""
+        listed = {
+            rel: size for rel, size in self.storage.list_files(self.storage.path(dir_name)).items()
+            if rel != COMMIT_FILE
+        }
+        if ".metadata" not in files:
+            raise CheckpointCommitError(
+                f"Checkpoint ({self.storage.url_of(dir_name)}) has no DCP .metadata among its "
+                "written files; the save did not finish, the next save tries again."
+            )
+        for rel, entry in sorted(files.items()):
+            if listed.get(rel) != entry.size:
+                raise CheckpointCommitError(
+                    f"Checkpoint file ({self.storage.url_of(dir_name, rel)}) is listed with size "
+                    f"({listed.get(rel)}) but ({entry.size}) bytes were written; the storage "
+                    "lost a write, the next save tries again."
+                )
 
     def _global(self, group_rank: int) -> int:
         if self._pg is None:

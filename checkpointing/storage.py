@@ -1,20 +1,29 @@
 """A thin fsspec layer: resolve a URL once, then write/read/list with retries and clear errors.
 
 Backends (s3fs, gcsfs, ...) are imported lazily by fsspec when their scheme is first used.
-Transient failures (connection resets, 5xx, throttling surface as ``OSError``/``ConnectionError``/
-``TimeoutError``) are retried by one tenacity policy with a deadline.
+Transient failures are retried by one tenacity policy with a deadline: ``OSError``,
+``ConnectionError`` and ``TimeoutError`` (s3fs turns 5xx and throttling answers into
+``OSError``), and the transport errors botocore and aiohttp raise on their own classes
+(connection refused or reset, read timeouts). Permanent ones (missing, denied, disk full) are
+not retried.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import functools
 import logging
+import os
+import threading
+import uuid
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 import fsspec
 from tenacity import (
+    RetryCallState,
     Retrying,
-    before_sleep_log,
     retry_if_exception,
     stop_after_delay,
     wait_exponential,
@@ -26,7 +35,7 @@ logger = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
 
-#: Deadline of the storage retry policy, in seconds.
+#: Default deadline of the storage retry policy, in seconds.
 STORAGE_RETRY_DEADLINE_S = 30.0
 
 _PERMANENT = (
@@ -36,23 +45,40 @@ _PERMANENT = (
     NotADirectoryError,
     FileExistsError,
 )
+# Local-disk conditions that waiting does not fix.
+_PERMANENT_ERRNOS = {errno.ENOSPC, errno.EROFS, errno.EDQUOT, errno.ENAMETOOLONG, errno.EINVAL}
+_PERMANENT_NAMES = {"SSLError", "NoCredentialsError", "PartialCredentialsError"}
 
 
-def _is_transient(exc: BaseException) -> bool:
-    return isinstance(exc, (OSError, ConnectionError, TimeoutError)) and not isinstance(
-        exc, _PERMANENT
-    )
+@functools.cache
+def _transport_errors() -> tuple[type[BaseException], ...]:
+    """botocore's and aiohttp's connection-level errors, which are not ``OSError``s."""
+    found: list[type[BaseException]] = []
+    try:
+        from botocore import exceptions as boto
+    except ImportError:
+        pass
+    else:
+        # HTTPClientError: resets, read timeouts; ConnectionError: refused, connect timeouts.
+        found += [boto.HTTPClientError, boto.ConnectionError]
+    try:
+        import aiohttp
+    except ImportError:
+        pass
+    else:
+        found += [aiohttp.ClientConnectionError, aiohttp.ClientPayloadError]
+    return tuple(found)
 
 
-def _retrying() -> Retrying:
-    """The one retry policy of the storage I/O boundary."""
-    return Retrying(
-        stop=stop_after_delay(STORAGE_RETRY_DEADLINE_S),
-        wait=wait_exponential(multiplier=0.1, max=5.0),
-        retry=retry_if_exception(_is_transient),
-        before_sleep=before_sleep_log(logger, logging.WARNING),
-        reraise=True,
-    )
+def is_transient(exc: BaseException) -> bool:
+    """Whether retrying the storage call that raised ``exc`` can succeed."""
+    if isinstance(exc, CheckpointError) or type(exc).__name__ in _PERMANENT_NAMES:
+        return False
+    if isinstance(exc, _PERMANENT):
+        return False
+    if isinstance(exc, OSError) and exc.errno in _PERMANENT_ERRNOS:
+        return False
+    return isinstance(exc, (OSError, ConnectionError, TimeoutError, *_transport_errors()))
 
 
 def _is_credentials_error(exc: BaseException) -> bool:
@@ -63,20 +89,52 @@ def _is_credentials_error(exc: BaseException) -> bool:
     )
 
 
+def fsync_dir(path: str) -> None:
+    """Make a directory's entries (new, renamed files) durable; a no-op where unsupported."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some filesystems refuse fsync on directories; their renames are durable anyway
+    finally:
+        os.close(fd)
+
+
 class Storage:
     """One checkpoint root on an fsspec filesystem.
 
     Args:
         url: A local path, ``file://...``, ``s3://bucket/prefix`` or any fsspec URL.
         storage_options: Passed to the fsspec filesystem (endpoint, credentials, ...).
+        retry_deadline_s: How long transient errors of one call are retried, in seconds.
+
+    Attributes:
+        retries: How many times a call was retried so far (a health metric).
 
     Raises:
         ValueError: If the URL's scheme has no fsspec implementation.
         CheckpointError: If the URL names a file, or the backend cannot be imported.
     """
 
-    def __init__(self, url: str, storage_options: Mapping[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        url: str,
+        storage_options: Mapping[str, Any] | None = None,
+        *,
+        retry_deadline_s: float = STORAGE_RETRY_DEADLINE_S,
+    ) -> None:
+        if not retry_deadline_s > 0:
+            raise ValueError(
+                f"Storage retry deadline ({retry_deadline_s}) must be a positive number of "
+                f"seconds; pass e.g. retry_deadline_s={STORAGE_RETRY_DEADLINE_S}."
+            )
         self.url = str(url)
+        self.retry_deadline_s = float(retry_deadline_s)
+        self.retries = 0
+        self._retries_lock = threading.Lock()
         self.storage_options: dict[str, Any] = dict(storage_options or {})
         try:
             fs, root = fsspec.core.url_to_fs(self.url, **self.storage_options)
@@ -105,10 +163,40 @@ class Storage:
             return p
         return str(self.fs.unstrip_protocol(p))
 
+    def _retrying(self, what: str) -> Retrying:
+        """The one retry policy of the storage I/O boundary."""
+
+        def before_sleep(state: RetryCallState) -> None:
+            with self._retries_lock:
+                self.retries += 1
+            exc = state.outcome.exception() if state.outcome is not None else None
+            logger.warning(
+                "storage.retry %s under %s (attempt %d, %.1f s of %.0f s): %s: %s",
+                what, self.url, state.attempt_number, state.seconds_since_start,
+                self.retry_deadline_s, type(exc).__name__, exc,
+            )
+
+        return Retrying(
+            stop=stop_after_delay(self.retry_deadline_s),
+            wait=wait_exponential(multiplier=0.1, max=5.0),
+            retry=retry_if_exception(is_transient),
+            before_sleep=before_sleep,
+            reraise=True,
+        )
+
     def call(self, what: str, fn: Callable[[], _T]) -> _T:
-        """Run ``fn`` under the retry policy, mapping permanent errors to clear ones."""
+        """Run ``fn`` under the retry policy, mapping permanent errors to clear ones.
+
+        Args:
+            what: The path or object the call works on, for logs and error messages.
+            fn: The call; it must be safe to repeat.
+
+        Raises:
+            CheckpointError: A permanent failure, in one sentence naming the value.
+            Exception: The last transient error once the deadline has passed.
+        """
         try:
-            return _retrying()(fn)
+            return self._retrying(what)(fn)
         except Exception as exc:
             raise self._translate(what, exc) from exc
 
@@ -168,12 +256,41 @@ class Storage:
                 ) from exc
             raise translated from exc
 
-    def write_bytes(self, path: str, data: bytes) -> None:
-        """Write a whole object, retrying transient errors until the deadline."""
+    def write_bytes(self, path: str, data: bytes | bytearray) -> None:
+        """Write a whole object durably and atomically, retrying transient errors.
+
+        On local disk the bytes go to a temporary file that is fsynced and then renamed over
+        ``path`` (and the directory fsynced), so a crash leaves the old or the new content,
+        never a torn one. Object stores make a completed put durable and atomic by themselves.
+        """
         if self.is_local:
-            parent = path.rsplit("/", 1)[0]
-            self.call(path, lambda: self.fs.makedirs(parent, exist_ok=True))
-        self.call(path, lambda: self.fs.pipe_file(path, data))
+            self.call(path, lambda: _write_local_atomic(path, data))
+        else:
+            self.call(path, lambda: self.fs.pipe_file(path, data))
+
+    def rename(self, src: str, dst: str) -> None:
+        """Move ``src`` to ``dst`` (on object stores a copy and a delete), retrying."""
+
+        def move() -> None:
+            try:
+                self.fs.mv(src, dst)
+            except FileNotFoundError:
+                # A retried move whose first try did land: the source is gone, dst is there.
+                self.fs.invalidate_cache(dst)
+                if not self.fs.exists(dst):
+                    raise
+            if self.is_local:
+                fsync_dir(os.path.dirname(dst))
+
+        self.call(src, move)
+
+    def makedirs(self, path: str) -> None:
+        """Create ``path`` and its parents (object stores have no directories: a no-op)."""
+        self.call(path, lambda: self.fs.makedirs(path, exist_ok=True))
+
+    def remove_file(self, path: str) -> None:
+        """Delete one file."""
+        self.call(path, lambda: self.fs.rm_file(path))
 
     def read_bytes(self, path: str) -> bytes:
         """Read a whole object, retrying transient errors until the deadline."""
@@ -211,6 +328,23 @@ class Storage:
 
 
 _BUCKETED = {"s3", "s3a", "gs", "gcs", "az", "abfs", "adl"}
+
+
+def _write_local_atomic(path: str, data: bytes | bytearray) -> None:
+    parent = os.path.dirname(path) or "."
+    os.makedirs(parent, exist_ok=True)
+    tmp = os.path.join(parent, f".{os.path.basename(path)}.{uuid.uuid4().hex[:8]}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    fsync_dir(parent)
 
 
 def _protocols(fs: Any) -> tuple[str, ...]:
