@@ -21,9 +21,26 @@ Guarantees (restart-based path):
 * Step ``s`` always trains stream positions ``[s * G, (s + 1) * G)`` of the sampler's epoch
   orders (``G`` the global batch), split over whatever world exists, and the gradient is the
   mean over those ``G`` samples, so the optimisation does not depend on the world size.
-* A failure loses at most ``checkpoint_interval`` steps: they are redone from the last commit.
+* Lost work is bounded: a failure rolls back to the newest *committed* checkpoint, so the
+  steps a rank had completed since then are redone, at most
+  ``checkpoint_interval + max_commit_lag`` of them (plus the step in flight, which was never
+  completed). Saves are asynchronous: a save started after step ``s`` commits while steps
+  ``s + 1, ...`` train, and until it has committed a failure falls back to the save before it.
+  The loop waits for each save's commit at the latest ``max_commit_lag`` steps after starting
+  it (default ``checkpoint_interval``, where the next save would wait for it anyway, so
+  steady-state training never blocks unless persisting is slower than an interval: the bound
+  is two intervals). ``max_commit_lag=0`` waits for every commit before the next step: at most
+  one interval is lost, at the price of the persist time on the training thread. A save that
+  fails to commit (a storage error) is logged and training goes on; the bound then counts from
+  the last save that did commit.
 * SIGTERM sets a drain flag; all ranks agree on it at the next step boundary (a one-element
   all-reduce), save that step, wait for the commit up to ``drain_timeout`` and stop iterating.
+  torchrun's agent (and so elastic-run's) signals the worker's whole process group, which
+  includes ``DataLoader`` worker processes; those exit on a SIGTERM that does not come from
+  their parent, and the main process then fails with "DataLoader worker ... is killed by
+  signal: Terminated" instead of draining. :meth:`ElasticLoop.micro_batches` therefore makes
+  the loader's workers ignore SIGTERM (wrapping its ``worker_init_fn``); they still stop when
+  the main process shuts the loader down, and die with it on SIGKILL.
 """
 
 from __future__ import annotations
@@ -34,7 +51,7 @@ import random
 import signal
 import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from datetime import timedelta
 from types import FrameType, TracebackType
 from typing import TYPE_CHECKING, Any
@@ -42,12 +59,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.stateful import Stateful
+from torch.utils.data import DataLoader
 
 from elastic.batching import BatchPlan, plan_batches
 from elastic.errors import ConfigError
 
 if TYPE_CHECKING:
-    from checkpointing import CheckpointManager
+    from checkpointing import CheckpointManager, SaveHandle
     from elastic.context import ElasticContext
     from elastic.sampler import ElasticSampler
 
@@ -82,6 +100,29 @@ class _LoopState(Stateful):
         self._loop._apply_loaded(state_dict)
 
 
+class _IgnoreSigterm:
+    """A ``DataLoader`` ``worker_init_fn`` that ignores SIGTERM, then runs the user's one.
+
+    A class rather than a closure so that it pickles for ``spawn``/``forkserver`` workers.
+    """
+
+    def __init__(self, inner: Callable[[int], None] | None) -> None:
+        self.inner = inner
+
+    def __call__(self, worker_id: int) -> None:
+        # Runs after torch's own worker signal set-up, which makes a foreign SIGTERM fatal.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        if self.inner is not None:
+            self.inner(worker_id)
+
+
+def _shield_workers_from_sigterm(loader: Iterable[Any]) -> None:
+    if not isinstance(loader, DataLoader) or loader.num_workers == 0:
+        return
+    if not isinstance(loader.worker_init_fn, _IgnoreSigterm):
+        loader.worker_init_fn = _IgnoreSigterm(loader.worker_init_fn)
+
+
 class ElasticLoop:
     """Drives the steps of an elastic job; see the module docstring for an example.
 
@@ -94,6 +135,10 @@ class ElasticLoop:
             re-shards it to the world and saves its cursor.
         max_steps: Optimizer steps of the whole job.
         checkpoint_interval: Save every this many steps (and at the last step and on drain).
+        max_commit_lag: Steps training may run past a save before the loop waits for it to
+            commit, in ``[0, checkpoint_interval]``; ``None`` means ``checkpoint_interval``.
+            A failure redoes at most ``checkpoint_interval + max_commit_lag`` completed steps
+            (see the module docstring).
         global_batch_size: Samples per optimizer step over all ranks (fixed for the job).
         micro_batch_size: Largest per-rank forward/backward batch; ``None`` means no
             accumulation beyond what the world requires (the per-rank share).
@@ -117,11 +162,20 @@ class ElasticLoop:
         micro_batch_size: int | None = None,
         drain_timeout: timedelta = timedelta(seconds=25),
         install_signal_handler: bool = True,
+        max_commit_lag: int | None = None,
     ) -> None:
         if max_steps < 0:
             raise ConfigError(f"max_steps ({max_steps}) must be non-negative.")
         if checkpoint_interval < 1:
             raise ConfigError(f"checkpoint_interval ({checkpoint_interval}) must be at least 1.")
+        if max_commit_lag is None:
+            max_commit_lag = checkpoint_interval
+        if not 0 <= max_commit_lag <= checkpoint_interval:
+            # Above the interval it would change nothing: the next save waits for this one.
+            raise ConfigError(
+                f"max_commit_lag ({max_commit_lag}) must be between 0 and checkpoint_interval "
+                f"({checkpoint_interval}); pass None for the interval."
+            )
         if _LOOP_KEY in state:
             raise ConfigError(f"state key ({_LOOP_KEY!r}) is reserved for the loop; rename it.")
         self.ctx = ctx
@@ -129,6 +183,7 @@ class ElasticLoop:
         self.sampler = sampler
         self.max_steps = max_steps
         self.checkpoint_interval = checkpoint_interval
+        self.max_commit_lag = max_commit_lag
         self.global_batch_size = global_batch_size
         self.drain_timeout = drain_timeout
         self._requested_micro = micro_batch_size
@@ -149,6 +204,7 @@ class ElasticLoop:
         self._drain = threading.Event()
         self._drained = False
         self._saved_step = -1
+        self._uncommitted: SaveHandle | None = None
         self._previous_handler: Any = None
         self._batches: Iterator[Any] | None = None
         self._loader: Iterable[Any] | None = None
@@ -182,9 +238,10 @@ class ElasticLoop:
         """Yields this step's ``grad_accum_steps`` micro-batches from ``loader``.
 
         The loader's iterator is kept across steps (it is endless over the sampler's stream),
-        so DataLoader workers are started once. With a DDP ``model``, all but the last
-        micro-batch run under ``model.no_sync()``: gradients are all-reduced once per step.
-        Call ``backward()`` before asking for the next micro-batch.
+        so DataLoader workers are started once; they ignore SIGTERM (see the module
+        docstring) so that a drain is not turned into a crash. With a DDP ``model``, all but
+        the last micro-batch run under ``model.no_sync()``: gradients are all-reduced once per
+        step. Call ``backward()`` before asking for the next micro-batch.
 
         Raises:
             ConfigError: If the loader's batch size is not :attr:`micro_batch_size`.
@@ -198,6 +255,7 @@ class ElasticLoop:
             )
         if self._batches is None or self._loader is not loader:
             self._loader = loader
+            _shield_workers_from_sigterm(loader)
             self._batches = iter(loader)
         no_sync = getattr(model, "no_sync", None)
         for index in range(self.plan.grad_accum_steps):
@@ -332,6 +390,7 @@ class ElasticLoop:
         if self.ctx is not None:
             self.ctx.after_first_step()
         drain = self._agree_on_drain()
+        self._await_overdue_commit()  # the previous save, before a new one replaces it
         if drain:
             self._drained = True
             self._save(final=True)
@@ -340,6 +399,7 @@ class ElasticLoop:
             self._save(final=True)
         elif self.step % self.checkpoint_interval == 0:
             self._save(final=False)
+        self._await_overdue_commit()  # this step's save, when max_commit_lag is 0
 
     def _agree_on_drain(self) -> bool:
         flag = self._drain.is_set()
@@ -349,12 +409,39 @@ class ElasticLoop:
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.ctx.process_group)
         return bool(tensor.item() > 0)
 
+    def _await_overdue_commit(self) -> None:
+        """Waits for the in-flight save once it is ``max_commit_lag`` steps old.
+
+        This is what bounds lost work (module docstring); every rank waits for its own handle,
+        and the handles resolve together because the commit is one collective.
+        """
+        handle = self._uncommitted
+        if handle is None or self.step - handle.step < self.max_commit_lag:
+            return
+        self._uncommitted = None
+        if not handle.committed.done():
+            started = time.monotonic()
+            handle.committed.exception()
+            logger.info(
+                "waited %.2fs at step %d for the checkpoint of step %d to commit",
+                time.monotonic() - started, self.step, handle.step,
+            )
+        error = handle.committed.exception()
+        if error is not None:
+            logger.warning(
+                "checkpoint of step %d did not commit (%s); until a later one does, a failure "
+                "rolls back further than checkpoint_interval + max_commit_lag steps",
+                handle.step, error,
+            )
+
     def _save(self, *, final: bool) -> None:
         if self.checkpoint is None or self._saved_step == self.step:
             return
         self._saved_step = self.step
         started = time.monotonic()
         handle = self.checkpoint.save(self.step, self._full_state())
+        # A final save does its own waiting (bounded by drain_timeout when draining).
+        self._uncommitted = None if final else handle
         if final:
             timeout = self.drain_timeout.total_seconds() if self._drained else None
             with contextlib.suppress(Exception):

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import torch
 
+from tests.integration.launcher_scripts.harness import kill, tree
+
 WORKER = Path(__file__).with_name("worker.py")
 REPO = Path(__file__).resolve().parents[3]
 
@@ -38,11 +40,19 @@ def run_attempt(nproc: int, *args: str, timeout: float = 100) -> Attempt:
         f"--nproc-per-node={nproc}", "--max-restarts=0", str(WORKER), *args,
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    result = subprocess.run(
-        cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO,
+    with subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO,
         start_new_session=True,
-    )
-    return Attempt(result.returncode, result.stdout + result.stderr)
+    ) as proc:
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+        except BaseException:
+            # torchrun starts its workers in sessions of their own: kill the whole tree, or
+            # they outlive the test (a pytest-timeout lands here too).
+            kill(tree(proc.pid))
+            proc.communicate()
+            raise
+    return Attempt(proc.returncode, stdout + stderr)
 
 
 def reference_order(dataset_size: int, seed: int, epoch: int) -> list[int]:
@@ -67,6 +77,8 @@ def committed_steps(audit_dir: Path) -> dict[int, list[int]]:
         attempt = int(path.name.split(".")[0].removeprefix("attempt"))
         for line in path.read_text().splitlines():
             record = json.loads(line)
+            if "step" not in record:
+                continue  # the resume line
             by_attempt[attempt][int(record["step"])].append(record)  # type: ignore[call-overload]
     result: dict[int, list[int]] = {}
     for attempt in sorted(by_attempt):
@@ -76,3 +88,32 @@ def committed_steps(audit_dir: Path) -> dict[int, list[int]]:
                 continue  # a step some rank never finished: it was rolled back
             result[step] = [i for r in records for i in r["ids"]]  # type: ignore[attr-defined]
     return result
+
+
+@dataclass(frozen=True)
+class Round:
+    """What one attempt (a rendezvous round under elastic-run) did, from its audit files."""
+
+    attempt: int
+    world: int
+    resumed_from: int
+    last_step: int  # the last step any rank logged as completed; resumed_from - 1 if none
+
+
+def rounds(audit_dir: Path) -> list[Round]:
+    """Every attempt that got as far as resuming, in order."""
+    resumed: dict[int, int] = {}
+    world: dict[int, int] = {}
+    last: dict[int, int] = defaultdict(lambda: -1)
+    for path in audit_dir.glob("attempt*.rank*.jsonl"):
+        attempt = int(path.name.split(".")[0].removeprefix("attempt"))
+        for line in path.read_text().splitlines():
+            record = json.loads(line)
+            if "step" in record:
+                last[attempt] = max(last[attempt], int(record["step"]))
+            else:
+                resumed[attempt] = int(record["resumed_from"])
+                world[attempt] = int(record["world"])
+    return [
+        Round(a, world[a], resumed[a], max(last[a], resumed[a] - 1)) for a in sorted(resumed)
+    ]

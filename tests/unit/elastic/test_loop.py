@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import signal
 from collections.abc import Iterator
+from concurrent.futures import Future
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -13,7 +15,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from checkpointing import CheckpointManager, ModelOptimizerState
+from checkpointing import CheckpointInfo, CheckpointManager, ModelOptimizerState, SaveHandle
 from elastic.errors import ConfigError
 from elastic.loop import ElasticLoop
 from elastic.sampler import ElasticSampler
@@ -139,6 +141,34 @@ def test_sigterm_stops_at_the_step_boundary_with_a_final_checkpoint(tmp_path: Pa
     assert signal.getsignal(signal.SIGTERM) is not loop._on_sigterm
 
 
+def test_sigterm_to_the_whole_process_group_drains_despite_dataloader_workers(
+    tmp_path: Path,
+) -> None:
+    # torchrun's agent signals the worker's process group: DataLoader workers get SIGTERM
+    # too, and torch makes that fatal to them unless the loop shields them.
+    job = Job(tmp_path)
+    with job.loop(20) as loop:
+        loader = DataLoader(data(), batch_size=loop.micro_batch_size, sampler=job.sampler,
+                            num_workers=1)
+        for step in loop:
+            for x, y, _ in loop.micro_batches(loader):
+                loop.scale_loss(nn.functional.mse_loss(job.model(x), y)).backward()
+            job.optimizer.step()
+            job.optimizer.zero_grad()
+            if step == 2:
+                workers = multiprocessing.active_children()
+                assert workers
+                for worker in workers:
+                    os.kill(worker.pid, signal.SIGTERM)  # type: ignore[arg-type]
+                os.kill(os.getpid(), signal.SIGTERM)
+                workers[0].join(timeout=1.0)
+                assert all(worker.is_alive() for worker in workers)
+            loop.end_step()
+    assert loop.drained and loop.step == 3
+    info = CheckpointManager(str(tmp_path)).latest()
+    assert info is not None and info.step == 3
+
+
 def test_a_step_without_end_step_is_an_error(tmp_path: Path) -> None:
     job = Job(tmp_path)
     loop = job.loop(3)
@@ -174,12 +204,80 @@ def test_all_but_the_last_micro_batch_skip_the_gradient_all_reduce(tmp_path: Pat
     assert syncs == [False, True, False, True, False, True, True]
 
 
+class LazyCommitManager:
+    """A checkpoint manager whose saves commit only when someone waits for them.
+
+    ``waits`` records ``(save step, loop step at the wait)``: the latest point at which each
+    save was known to be committed, which is what bounds the work a failure loses.
+    """
+
+    def __init__(self) -> None:
+        self.waits: list[tuple[int, int]] = []
+        self.loop: ElasticLoop | None = None
+        self.storage = type("S", (), {"url": "memory://"})()
+
+    def load(self, state: object) -> None:
+        return None
+
+    def save(self, step: int, state: object) -> SaveHandle:
+        manager = self
+
+        class LazyCommit(Future[CheckpointInfo]):
+            def exception(self, timeout: float | None = None) -> BaseException | None:
+                self._commit()
+                return super().exception(timeout)
+
+            def result(self, timeout: float | None = None) -> CheckpointInfo:
+                self._commit()
+                return super().result(timeout)
+
+            def _commit(self) -> None:
+                if not super().done():
+                    assert manager.loop is not None
+                    manager.waits.append((step, manager.loop.step))
+                    self.set_result(CheckpointInfo(step, "memory://", 1, 0, 0.0, 1))
+
+        staged: Future[None] = Future()
+        staged.set_result(None)
+        return SaveHandle(step=step, staged=staged, committed=LazyCommit())
+
+    def close(self, wait: bool = True) -> None:
+        pass
+
+
+@pytest.mark.parametrize(
+    ("lag", "waits"),
+    [
+        (0, [(3, 3), (6, 6), (9, 9), (10, 10)]),
+        (1, [(3, 4), (6, 7), (9, 10), (10, 10)]),
+        (None, [(3, 6), (6, 9), (10, 10)]),  # the interval: each save before the next one
+    ],
+)
+def test_each_save_is_committed_at_most_max_commit_lag_steps_after_it_started(
+    lag: int | None, waits: list[tuple[int, int]]
+) -> None:
+    manager = LazyCommitManager()
+    loop = ElasticLoop(
+        None, state={}, checkpoint=manager, sampler=None,  # type: ignore[arg-type]
+        max_steps=10, checkpoint_interval=3, global_batch_size=4, max_commit_lag=lag,
+        install_signal_handler=False,
+    )
+    manager.loop = loop
+    with loop:
+        for _ in loop:
+            loop.end_step()
+    assert manager.waits == waits
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
         ({"max_steps": -1}, r"^max_steps \(-1\) must be non-negative\.$"),
         ({"checkpoint_interval": 0}, r"^checkpoint_interval \(0\) must be at least 1\.$"),
         ({"global_batch_size": 0}, r"^global_batch_size \(0\) must be a positive integer\.$"),
+        ({"max_commit_lag": 2}, r"^max_commit_lag \(2\) must be between 0 and "
+         r"checkpoint_interval \(1\); pass None for the interval\.$"),
+        ({"max_commit_lag": -1}, r"^max_commit_lag \(-1\) must be between 0"),
     ],
 )
 def test_invalid_loop_settings_are_one_sentence_config_errors(
