@@ -46,3 +46,6 @@ GCP_METADATA_URL: Final = "ELASTIC_GCP_METADATA_URL"
 
 AZURE_METADATA_URL: Final = "ELASTIC_AZURE_METADATA_URL"
 """Base URL of Azure IMDS for Scheduled Events (default ``http://169.254.169.254``)."""
+
+EVENTS_DIR: Final = "ELASTIC_EVENTS_DIR"
+"""Directory of the job event log (``--events-dir``), read by ``elastic-run goodput``."""

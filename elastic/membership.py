@@ -7,7 +7,10 @@ the key; every surviving agent's registry follows the job's member keys with one
 watch, so it learns of the loss by push and reports it from memory. The agent then starts a new
 round at once instead of waiting for torch's heartbeat timeout or a collective timeout.
 
-A node that leaves on purpose revokes its lease, so the others see it go at once.
+A node that leaves on purpose revokes its lease, so the others see it go at once. A node that
+has been told it will be preempted first rewrites its member key with a ``departing`` note
+(:meth:`MembershipRegistry.announce_departure`), so the others can tell a planned departure from
+a failure before the lease is gone.
 """
 
 from __future__ import annotations
@@ -18,13 +21,13 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field, replace
 from datetime import timedelta
-from typing import Final
+from typing import Any, Final
 
 from elastic.errors import ConfigError
-from elastic.etcd import EtcdClient, Lease, PrefixWatch, WatchEvent
+from elastic.etcd import EtcdClient, KeyValue, Lease, PrefixWatch, WatchEvent
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +49,8 @@ class MemberInfo:
     """Wall-clock seconds since the epoch when the node joined the round."""
     local_world_size: int = 0
     """Worker processes on the node (0 when unknown)."""
+    departing: dict[str, Any] | None = None
+    """Set when the node announced a planned departure (the notice's source and deadline)."""
 
     def age(self, now: float | None = None) -> float:
         """Seconds since the node joined the round."""
@@ -65,6 +70,14 @@ def _parse_key(prefix: str, key: str) -> tuple[int, int] | None:
         return int(parts[0]), int(parts[1])
     except ValueError:
         return None
+
+
+def _is_departing(value: bytes) -> bool:
+    try:
+        note = json.loads(value)
+    except ValueError:
+        return False
+    return isinstance(note, dict) and bool(note.get("departing"))
 
 
 class MembershipRegistry:
@@ -105,7 +118,9 @@ class MembershipRegistry:
         self._world = 0
         self._seen: set[int] = set()
         self._lost: frozenset[int] = frozenset()
+        self._departing: frozenset[int] = frozenset()
         self._key: str | None = None
+        self._info: MemberInfo | None = None
         self._closed = False
         self.changed = threading.Event()
         """Set whenever the lost set changes or this node's own lease is lost."""
@@ -140,18 +155,18 @@ class MembershipRegistry:
                           time.time(), local_world_size)
         key = f"{self._prefix}{round_}/{group_rank}"
         self._client.put(key, json.dumps(asdict(info)).encode(), lease=lease.id)
-        old_key, self._key = self._key, key
+        old_key, self._key, self._info = self._key, key, info
         if old_key is not None and old_key != key:
             self._client.delete(old_key)  # the old round is over; keep one key per node
         with self._lock:
             self._round, self._rank, self._world = round_, group_rank, world_size
-            self._seen, self._lost = {group_rank}, frozenset()
+            self._seen, self._lost, self._departing = {group_rank}, frozenset(), frozenset()
             if self._watch is None or self._watch.failed.is_set():
                 if self._watch is not None:
                     self._watch.cancel()
                 self._watch = self._client.watch_prefix(self._prefix, on_change=self._on_events)
             watch = self._watch
-        self._recompute(watch.items().keys())
+        self._recompute(watch.items())
         logger.info("registered as member %d of round %d (%d nodes, lease %x, ttl %d s)",
                     group_rank, round_, world_size, lease.id, self._ttl)
 
@@ -162,25 +177,37 @@ class MembershipRegistry:
     def _on_events(self, events: Sequence[WatchEvent]) -> None:
         watch = self._watch
         if watch is not None:
-            self._recompute(watch.items().keys())
+            self._recompute(watch.items())
 
-    def _recompute(self, keys: Iterable[str]) -> None:
-        parsed_keys = [p for p in (_parse_key(self._prefix, k) for k in keys) if p is not None]
+    def _recompute(self, items: Mapping[str, KeyValue]) -> None:
+        parsed = [(p, kv) for p, kv in ((_parse_key(self._prefix, k), kv)
+                                        for k, kv in items.items()) if p is not None]
         with self._lock:
             if self._closed:
                 return
-            present = {rank for round_, rank in parsed_keys if round_ == self._round}
+            present = {rank for (round_, rank), _ in parsed if round_ == self._round}
             self._seen |= present
+            # Sticky like _seen: the note stays known after the departed node's key is gone.
+            departing = self._departing | {
+                rank for (round_, rank), kv in parsed
+                if round_ == self._round and rank != self._rank and _is_departing(kv.value)
+            }
             # This node's own key counts through its lease (own_lease_lost), never the mirror,
             # which may not have caught up with the key it just wrote.
             lost = frozenset(r for r in self._seen
                              if r not in present and r < self._world and r != self._rank)
-            if lost == self._lost:
+            if lost == self._lost and departing == self._departing:
                 return
+            newly_lost = lost - self._lost
+            self._departing = frozenset(departing)
             self._lost = lost
             round_ = self._round
-        if lost:
-            logger.warning("member(s) %s of round %d lost their etcd lease", sorted(lost), round_)
+        if newly_lost - departing:
+            logger.warning("member(s) %s of round %d lost their etcd lease",
+                           sorted(newly_lost - departing), round_)
+        if newly_lost & departing:
+            logger.info("member(s) %s of round %d left as announced",
+                        sorted(newly_lost & departing), round_)
         self.changed.set()
         if self._on_change is not None:
             try:
@@ -192,6 +219,32 @@ class MembershipRegistry:
         """Group ranks of the current round whose member key has vanished (from memory)."""
         with self._lock:
             return self._lost
+
+    def departing_members(self) -> frozenset[int]:
+        """Group ranks of the current round that announced a planned departure (from memory).
+
+        A rank stays in this set after its key is gone (it is then in :meth:`lost_members` too).
+        """
+        with self._lock:
+            return self._departing
+
+    def announce_departure(self, note: Mapping[str, Any]) -> bool:
+        """Marks this node's member key as departing (same key, same lease), for the others.
+
+        Call it before the node stops its workers, so the peers whose workers fail next know
+        the cause. Returns False when the node holds no member key (nothing to announce).
+
+        Raises:
+            EtcdUnavailableError: when etcd cannot be reached within the deadline.
+        """
+        with self._lock:
+            key, info, lease = self._key, self._info, self._lease
+        if key is None or info is None or lease is None or lease.lost.is_set():
+            return False
+        marked = replace(info, departing=dict(note))
+        self._client.put(key, json.dumps(asdict(marked)).encode(), lease=lease.id)
+        logger.info("announced a planned departure from round %d (%s)", self._round, dict(note))
+        return True
 
     def own_lease_lost(self) -> bool:
         """Whether etcd dropped this node's own member lease (the others count it as lost)."""
@@ -214,7 +267,7 @@ class MembershipRegistry:
             self._closed = True
             watch, self._watch = self._watch, None
             lease, self._lease = self._lease, None
-            self._key = None
+            self._key = self._info = None
         if watch is not None:
             watch.cancel()
         if lease is not None:

@@ -22,6 +22,14 @@ What it changes, each through a hook of torch's ``SimpleElasticAgent``/``LocalEl
 * ``_exit_barrier``: waits for the *live* members of the round only (arrivals + lost members
   >= world size), so a dead agent does not hold the others for the whole timeout.
 
+Planned departures (:mod:`launch.departure`): :meth:`NodeAgent.request_departure` (called by the
+preemption monitor, from any thread) makes the main loop drain the workers, leave the rendezvous
+and raise :class:`~launch.departure.PlannedDeparture`. On the other nodes a worker failure (or
+a drained worker's exit 0) in a round where a peer announced its departure is a membership
+change: restarted at once, never charged.
+
+Every transition is appended to the job event log (:mod:`elastic.eventlog`) when one is set.
+
 The shared-TCPStore restart hang (pytorch#135712) is avoided by the runner, which sets
 ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: every round the rank-0 worker hosts a fresh store on
 a port published through the rendezvous store (etcd), so new workers can never read a dead
@@ -32,9 +40,11 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
-from collections.abc import Callable, Collection
-from typing import Any, Final
+from collections.abc import Callable, Collection, Mapping
+from datetime import datetime, timedelta, timezone
+from typing import Any, Final, NoReturn
 
 from torch.distributed.elastic.agent.server.api import (
     RunResult,
@@ -47,6 +57,16 @@ from torch.distributed.elastic.multiprocessing import LogsSpecs
 from torch.distributed.elastic.rendezvous import RendezvousHandler
 
 from elastic import env
+from elastic.eventlog import EventLog
+from launch.departure import (
+    DEFAULT_DRAIN_TIMEOUT,
+    DEFAULT_LEAVE_RESERVE,
+    DepartureWatchdog,
+    PlannedDeparture,
+    drain_budget,
+    drain_workers,
+)
+from launch.preemption import PreemptionNotice
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +97,45 @@ class MembershipView:
         except Exception:  # a membership read must never take the monitor loop down
             logger.debug("lost_members() failed", exc_info=True)
             return ()
+
+    def departing_members(self) -> Collection[Any]:
+        """Members of the current round that announced a planned departure (empty if unknown)."""
+        fn: Callable[[], Collection[Any]] | None = getattr(self._handler, "departing_members",
+                                                           None)
+        if fn is None:
+            return ()
+        try:
+            return fn()
+        except Exception:
+            logger.debug("departing_members() failed", exc_info=True)
+            return ()
+
+    def member_ttl(self) -> int | None:
+        """TTL of the member leases, or None if the handler has none."""
+        value = getattr(self._handler, "member_ttl", None)
+        return value if isinstance(value, int) else None
+
+    def announce_departure(self, note: Mapping[str, Any]) -> bool:
+        """Tell the peers this node is leaving; False if the handler cannot (never raises)."""
+        fn: Callable[[Mapping[str, Any]], bool] | None = getattr(
+            self._handler, "announce_departure", None)
+        if fn is None:
+            return False
+        try:
+            return bool(fn(note))
+        except Exception as exc:  # the departure goes on; the peers see the lease go instead
+            logger.warning("Could not announce the departure in etcd (%s).", exc)
+            return False
+
+    def leave(self, timeout: timedelta, *, lease_only: bool = False) -> None:
+        """Leave the rendezvous without closing it (never raises)."""
+        fn: Callable[..., None] | None = getattr(self._handler, "leave", None)
+        if fn is None:
+            return
+        try:
+            fn(timeout, lease_only=lease_only)
+        except Exception as exc:
+            logger.warning("Could not leave the rendezvous cleanly (%s).", exc)
 
     def note_rendezvous(self) -> None:
         """Count a completed rendezvous (fallback round number)."""
@@ -114,6 +173,10 @@ class NodeAgent(LocalElasticAgent):
         failure_settle_timeout: with no restarts left, seconds to wait after a worker failure
             for evidence of a lost node before the failure is final.
         etcd_endpoints: exported to workers as ``ELASTIC_ETCD_ENDPOINTS`` (``None``: not set).
+        events: the job event log (``None``: no events).
+        drain_timeout: on a preemption notice, the longest the workers get to stop and write a
+            final checkpoint (shortened to fit the notice's deadline).
+        leave_reserve: time kept before the notice's deadline to leave the rendezvous.
     """
 
     def __init__(
@@ -127,6 +190,9 @@ class NodeAgent(LocalElasticAgent):
         shutdown_timeout: int = 30,
         failure_settle_timeout: float = 10.0,
         etcd_endpoints: str | None = None,
+        events: EventLog | None = None,
+        drain_timeout: timedelta = DEFAULT_DRAIN_TIMEOUT,
+        leave_reserve: timedelta = DEFAULT_LEAVE_RESERVE,
     ) -> None:
         super().__init__(
             spec=spec,
@@ -142,6 +208,15 @@ class NodeAgent(LocalElasticAgent):
         self._held_failure: RunResult | None = None
         self._held_since = 0.0
         self._membership_restarts = 0
+        self._events = events or EventLog(None, job="", source="agent")
+        self._drain_timeout = drain_timeout
+        self._leave_reserve = leave_reserve
+        self._notice: PreemptionNotice | None = None
+        self._departure = threading.Event()
+        self._watchdog: DepartureWatchdog | None = None
+        self._next_reason = "start"
+        self._reported_lost: set[Any] = set()
+        self._reported_departing: set[Any] = set()
 
     @property
     def membership_restarts(self) -> int:
@@ -153,11 +228,50 @@ class NodeAgent(LocalElasticAgent):
         """Restarts left for real worker crashes."""
         return int(self._remaining_restarts)
 
+    @property
+    def round(self) -> int:
+        """The current rendezvous round (-1 before the first)."""
+        return self._membership.round()
+
+    @property
+    def events(self) -> EventLog:
+        """The job event log this agent writes to."""
+        return self._events
+
+    def request_departure(self, notice: PreemptionNotice) -> None:
+        """Leave the job on ``notice`` (any thread; the main loop does the work, once).
+
+        Also starts a watchdog that ends the process before the notice's deadline if the main
+        loop cannot get to it in time (for example while a rendezvous round is forming).
+        """
+        if self._departure.is_set():
+            return
+        self._notice = notice
+        self._departure.set()
+        budget = drain_budget(notice, drain_timeout=self._drain_timeout,
+                              leave_reserve=self._leave_reserve)
+        self._watchdog = DepartureWatchdog(
+            timedelta(seconds=budget) + self._leave_reserve + timedelta(seconds=1),
+            self._emergency_exit,
+        )
+        self._watchdog.start()
+
     # -- hooks ------------------------------------------------------------------------------
 
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
+        if self._departure.is_set():
+            self._depart(worker_group)  # don't join a round only to leave it
         super()._rendezvous(worker_group)
         self._membership.note_rendezvous()
+        self._reported_lost.clear()
+        self._reported_departing.clear()
+        self._events.record(
+            "round_started", round=self._membership.round(), group_rank=worker_group.group_rank,
+            world=worker_group.group_world_size, reason=self._next_reason,
+        )
+        self._next_reason = "node_joined"
+        if self._departure.is_set():
+            self._depart(worker_group)
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         # torch copies the agent's environment into every worker and then applies its own keys.
@@ -177,21 +291,38 @@ class NodeAgent(LocalElasticAgent):
         return pids
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+        if self._departure.is_set():
+            self._depart(worker_group)
+        self._report_membership()
         result = self._held_failure or super()._monitor_workers(worker_group)
+        departing = self._membership.departing_members()
+        if result.state == WorkerState.SUCCEEDED and departing:
+            # A peer's departure drained every rank; workers that return 0 when drained must
+            # not end the job here: the survivors go on in a new round.
+            logger.warning(
+                "Workers stopped in a round that node(s) %s are leaving: starting a new round.",
+                sorted(map(str, departing)),
+            )
+            self._membership_restart(worker_group, "planned_departure")
+            return RunResult(state=WorkerState.HEALTHY)
         if result.state not in _FAILED_STATES:
             return result
         lost = self._membership.lost_members()
-        if lost:
+        if lost or departing:
+            cause = "planned_departure" if departing and set(lost) <= set(departing) \
+                else "node_lost"
             logger.warning(
-                "Worker failure coincides with lost node(s) %s: treating it as a membership "
-                "change; restarting without charging --max-restarts.", sorted(map(str, lost)),
+                "Worker failure coincides with %s node(s) %s: treating it as a membership "
+                "change; restarting without charging --max-restarts.",
+                "departing" if cause == "planned_departure" else "lost",
+                sorted(map(str, set(lost) | set(departing))),
             )
-            self._held_failure = None
-            self._membership_restarts += 1
-            super()._restart_workers(worker_group)
+            self._record_failure(result, cause)
+            self._membership_restart(worker_group, cause)
             return RunResult(state=WorkerState.HEALTHY)
         if self._remaining_restarts > 0:
             self._held_failure = None
+            self._record_failure(result, "crash")
             return result  # charged now; _restart_workers refunds it if a node turns out lost
         now = time.monotonic()
         if self._held_failure is None:
@@ -204,13 +335,45 @@ class NodeAgent(LocalElasticAgent):
             # torch's HEALTHY branch restarts (uncharged) if a node is waiting to join.
             return RunResult(state=WorkerState.HEALTHY)
         self._held_failure = None
+        self._record_failure(result, "crash")
         return result
+
+    def _membership_restart(self, worker_group: WorkerGroup, reason: str) -> None:
+        self._held_failure = None
+        self._membership_restarts += 1
+        self._next_reason = reason
+        super()._restart_workers(worker_group)
+
+    def _record_failure(self, result: RunResult, cause: str) -> None:
+        codes = {rank: f.exitcode for rank, f in result.failures.items()}
+        self._events.record("worker_failed", round=self._membership.round(), exit_codes=codes,
+                            cause=cause)
+
+    def _report_membership(self) -> None:
+        """Log each newly lost or departing member of the round once (from memory)."""
+        departing = set(self._membership.departing_members()) - self._reported_departing
+        if departing:
+            self._reported_departing |= departing
+            self._events.record("peer_departed", round=self._membership.round(),
+                                ranks=sorted(departing))
+        lost = (set(self._membership.lost_members()) - self._reported_lost
+                - self._reported_departing)
+        if lost:
+            self._reported_lost |= lost
+            self._events.record("node_lost", round=self._membership.round(), ranks=sorted(lost))
 
     def _restart_workers(self, worker_group: WorkerGroup) -> None:
         charged = worker_group.state in _FAILED_STATES
         self._held_failure = None
         old_world = worker_group.group_world_size
-        lost_before = bool(self._membership.lost_members())
+        departing = bool(self._membership.departing_members())
+        lost_before = bool(self._membership.lost_members()) or departing
+        if departing:
+            self._next_reason = "planned_departure"
+        elif lost_before:
+            self._next_reason = "node_lost"
+        elif charged:
+            self._next_reason = "worker_failed"
         super()._restart_workers(worker_group)
         if not charged:
             self._membership_restarts += 1
@@ -224,6 +387,62 @@ class NodeAgent(LocalElasticAgent):
                 "The restart was caused by a lost node (world %s -> %s): not charged to "
                 "--max-restarts (%s left).", old_world, new_world, self._remaining_restarts,
             )
+            self._events.record("restart_refunded", round=self._membership.round(),
+                                reason="planned_departure" if departing else "node_lost")
+
+    def _depart(self, worker_group: WorkerGroup) -> NoReturn:
+        """Drain the workers, leave the rendezvous, raise PlannedDeparture (main thread)."""
+        notice = self._notice
+        assert notice is not None  # set before the event
+        started = time.monotonic()
+        budget = drain_budget(notice, drain_timeout=self._drain_timeout,
+                              leave_reserve=self._leave_reserve)
+        round_ = self._membership.round()
+        deadline = None if notice.deadline is None else notice.deadline.isoformat()
+        left = notice.time_left()
+        announced = self._membership.announce_departure({
+            "source": notice.source, "deadline": deadline,
+            "at": datetime.now(timezone.utc).isoformat(),
+        })
+        self._events.record(
+            "planned_departure", round=round_, group_rank=worker_group.group_rank,
+            notice=notice.source, deadline=deadline,
+            time_left_s=None if left is None else round(left.total_seconds(), 3),
+            drain_budget_s=round(budget, 3), member_ttl=self._membership.member_ttl(),
+            announced=announced,
+        )
+        logger.warning(
+            "Preemption notice from %s (deadline %s): stopping the workers (up to %.1f s for "
+            "their final checkpoint), then leaving the rendezvous.", notice.source, deadline,
+            budget,
+        )
+        codes, drained = drain_workers(self._pcontext, budget)
+        exit_codes = {
+            worker_group.workers[lr].global_rank if lr < len(worker_group.workers) else lr: code
+            for lr, code in codes.items()
+        }
+        drain_s = time.monotonic() - started
+        self._membership.leave(self._leave_reserve)
+        self._events.record("left_rendezvous", round=round_, drained=drained,
+                            exit_codes=exit_codes, drain_s=round(drain_s, 3))
+        logger.warning(
+            "Left the rendezvous %.1f s after the notice (workers %s, exit codes %s).",
+            time.monotonic() - started, "drained" if drained else "killed", exit_codes,
+        )
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+        raise PlannedDeparture(notice, drained=drained)
+
+    def _emergency_exit(self) -> None:
+        """The watchdog's way out: revoke the lease, log, and end the process with 0."""
+        self._membership.leave(timedelta(seconds=1), lease_only=True)
+        self._events.record("left_rendezvous", round=self._membership.round(), drained=False,
+                            exit_codes={}, drain_s=None, forced=True)
+        self._events.record("agent_exited", round=self._membership.round(),
+                            outcome="departed", exit_code=0)
+        logging.shutdown()
+        # The workers die with the agent (worker_guard's parent-death signal).
+        os._exit(0)
 
     def _exit_barrier(self) -> None:
         store = self._store

@@ -10,11 +10,15 @@ torch's own ``get_args_parser()``, extended), plus:
 * ``--standalone``: start an embedded etcd on free loopback ports (killed with the launcher)
   instead of torch's single-node c10d store;
 * ``--exit-barrier-timeout``, ``--failure-settle-timeout``, ``--etcd-connect-timeout``: see
-  ``--help``.
+  ``--help``;
+* ``--preemption-watch`` (and the metadata URL and drain flags): leave the job on a spot
+  preemption notice (see :mod:`launch.departure`);
+* ``--events-dir DIR`` (or ``ELASTIC_EVENTS_DIR``): the job event log (:mod:`elastic.eventlog`).
 
 The rendezvous backend defaults to ``elastic-etcd-v3``. Two more forms:
 
 * ``elastic-run status --job-id ID [--etcd ENDPOINTS]`` prints the job's current round and members;
+* ``elastic-run goodput EVENTS_DIR`` prints the goodput report of an event log;
 * ``elastic-run --serve-etcd [--etcd-binary PATH]`` runs only an embedded etcd until interrupted.
 
 Exit codes: 0 success; 1 the workers failed (restarts used up); 2 bad input; 3 etcd or the
@@ -114,7 +118,43 @@ def build_parser() -> argparse.ArgumentParser:
         help="With no restarts left, seconds to wait after a worker failure for evidence of a "
         "lost node (which makes it a membership change, not a failure) (default 10).",
     )
+    _add_preemption_flags(group)
     return parser
+
+
+def _add_preemption_flags(group: argparse._ArgumentGroup) -> None:
+    group.add_argument(
+        "--preemption-watch", dest="preemption_watch", type=str,
+        default=os.environ.get(env.PREEMPTION_WATCH, "none"),
+        help=f"Preemption notices to act on (env {env.PREEMPTION_WATCH}): none (default), "
+        "auto (probe the AWS, GCP and Azure metadata services, plus SIGTERM), or a "
+        "comma-separated subset of aws,gcp,azure,sigterm. On a notice this node drains its "
+        "workers (final checkpoint), leaves the rendezvous and exits 0.",
+    )
+    for cloud, name in (("aws", env.AWS_METADATA_URL), ("gcp", env.GCP_METADATA_URL),
+                        ("azure", env.AZURE_METADATA_URL)):
+        group.add_argument(
+            f"--{cloud}-metadata-url", dest=f"{cloud}_metadata_url", type=str,
+            default=os.environ.get(name) or None,
+            help=f"Base URL of the {cloud.upper()} metadata service (env {name}; default "
+            "http://169.254.169.254).",
+        )
+    group.add_argument(
+        "--preemption-drain-timeout", dest="preemption_drain_timeout", type=float, default=60.0,
+        help="On a notice, the longest the workers get to stop and write a final checkpoint; "
+        "shortened to fit the notice's deadline (default 60).",
+    )
+    group.add_argument(
+        "--sigterm-grace-period", dest="sigterm_grace_period", type=float, default=None,
+        help="Seconds between SIGTERM and SIGKILL (the pod's terminationGracePeriodSeconds), "
+        "the deadline a SIGTERM notice gives (default: no deadline).",
+    )
+    group.add_argument(
+        "--events-dir", dest="events_dir", type=str,
+        default=os.environ.get(env.EVENTS_DIR) or None,
+        help=f"Append the job event log (JSON lines) under this directory (env "
+        f"{env.EVENTS_DIR}); read it with '{PROG} goodput DIR'.",
+    )
 
 
 def parse_endpoints(text: str) -> list[str]:
@@ -211,10 +251,14 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         raise ConfigError(f"--max-restarts ({args.max_restarts}) must be at least 0.")
     if args.monitor_interval <= 0:
         raise ConfigError(f"--monitor-interval ({args.monitor_interval}) must be positive.")
-    for name in ("etcd_connect_timeout", "exit_barrier_timeout", "failure_settle_timeout"):
-        if getattr(args, name) <= 0:
+    for name in ("etcd_connect_timeout", "exit_barrier_timeout", "failure_settle_timeout",
+                 "preemption_drain_timeout", "sigterm_grace_period"):
+        if getattr(args, name) is not None and getattr(args, name) <= 0:
             flag = "--" + name.replace("_", "-")
             raise ConfigError(f"{flag} ({getattr(args, name)}) must be positive.")
+    from launch.preemption import parse_watch_spec
+
+    parse_watch_spec(args.preemption_watch)  # an unknown source is bad input, before etcd
     _resolve_nodes(args)
     _resolve_rendezvous(args)
     _check_script(args)
@@ -287,6 +331,10 @@ def main(argv: list[str] | None = None) -> int:
             from launch.status import main as status_main
 
             return status_main(argv[1:])
+        if argv and argv[0] == "goodput":
+            from launch.goodput import main as goodput_main
+
+            return goodput_main(argv[1:])
         if "--serve-etcd" in argv:
             return _serve_etcd(argv)
         args = parse_args(argv)

@@ -15,7 +15,9 @@ from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any, Final
 
+from elastic import env
 from elastic.errors import EtcdUnavailableError
+from elastic.eventlog import EventLog
 from launch.cli import (
     ETCD_BACKENDS,
     EXIT_OK,
@@ -80,9 +82,27 @@ def _fail(message: str, code: int) -> int:
     return code
 
 
+def _watchers(args: argparse.Namespace) -> list[Any]:
+    from launch.preemption import detect_watchers
+
+    grace = args.sigterm_grace_period
+    return detect_watchers(
+        args.preemption_watch, aws_url=args.aws_metadata_url, gcp_url=args.gcp_metadata_url,
+        azure_url=args.azure_metadata_url,
+        grace_period=None if grace is None else timedelta(seconds=grace),
+    )
+
+
+def _without_sigterm(signals: str) -> str:
+    # torch installs its SIGTERM handler (kill the workers, exit 143) on every worker start;
+    # with the SIGTERM watcher the signal is a preemption notice instead.
+    return ",".join(s for s in signals.split(",") if s.strip().upper() != "SIGTERM")
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the node agent described by validated ``args``; return the process exit code."""
-    from torch.distributed.elastic import events, metrics
+    from torch.distributed.elastic import events as torch_events
+    from torch.distributed.elastic import metrics
     from torch.distributed.elastic.agent.server.api import WorkerSpec
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -95,7 +115,9 @@ def run(args: argparse.Namespace) -> int:
     from torch.distributed.run import config_from_args
 
     from launch.agent import NodeAgent
+    from launch.departure import PlannedDeparture
     from launch.etcd_probe import probe
+    from launch.preemption import PreemptionMonitor
 
     # pytorch#135712: a TCPStore shared across rounds hands new workers a dead worker's address.
     # Without sharing, the rank-0 worker hosts a fresh store each round (port agreed via etcd).
@@ -104,16 +126,22 @@ def run(args: argparse.Namespace) -> int:
     os.environ[_SHARE_STORE_ENV] = "1"
     os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
 
+    config, cmd, cmd_args = config_from_args(args)
     is_etcd = args.rdzv_backend in ETCD_BACKENDS
     if is_etcd:
         try:
-            probe(args.rdzv_endpoint, timedelta(seconds=args.etcd_connect_timeout))
+            probe(args.rdzv_endpoint, timedelta(seconds=args.etcd_connect_timeout),
+                  config.rdzv_configs)
         except EtcdUnavailableError as exc:
             return _fail(str(exc), EXIT_RENDEZVOUS)
-
-    config, cmd, cmd_args = config_from_args(args)
     entrypoint, worker_args = guarded_command(cmd, cmd_args)
     _log_config(args, config, entrypoint, worker_args)
+    watchers = _watchers(args)
+    if any(w.source == "sigterm" for w in watchers):
+        config.signals_to_handle = _without_sigterm(config.signals_to_handle)
+    if args.events_dir:
+        os.environ[env.EVENTS_DIR] = args.events_dir  # the workers log their steps there too
+    events = EventLog(args.events_dir, job=config.run_id, source="agent")
 
     params = RendezvousParameters(
         backend=config.rdzv_backend,
@@ -129,6 +157,11 @@ def run(args: argparse.Namespace) -> int:
         handler = rdzv_registry.get_rendezvous_handler(params)
     except (RendezvousError, ValueError, RuntimeError) as exc:
         return _fail(f"could not set up the rendezvous ({exc})", EXIT_RENDEZVOUS)
+
+    if os.environ.pop(env.ETCD_PASSWORD, None) is not None:
+        # The handler's client holds the password now; torch copies this environment into
+        # every worker, and training code has no use for it (nor should a crash dump show it).
+        logger.info("%s is not passed on to the workers.", env.ETCD_PASSWORD)
 
     if handler.use_agent_store:
         logger.warning(
@@ -160,14 +193,24 @@ def run(args: argparse.Namespace) -> int:
         shutdown_timeout=int(config.shutdown_timeout or 30),
         failure_settle_timeout=args.failure_settle_timeout,
         etcd_endpoints=config.rdzv_endpoint if is_etcd else None,
+        events=events,
+        drain_timeout=timedelta(seconds=args.preemption_drain_timeout),
     )
+    events.record(
+        "agent_started", min_nodes=config.min_nodes, max_nodes=config.max_nodes,
+        nproc_per_node=config.nproc_per_node, max_restarts=config.max_restarts,
+        preemption_watch=[w.source for w in watchers],
+    )
+    monitor = PreemptionMonitor(watchers)
+    monitor.start(agent.request_departure)  # main thread: the SIGTERM watcher needs it
 
     shutdown_rdzv = True
     started = time.monotonic()
+    outcome, code = "failed", EXIT_WORKERS_FAILED
     try:
         metrics.initialize_metrics(metrics.api.MetricsConfig(config.metrics_cfg))
         result = agent.run()
-        events.record(agent.get_event_succeeded(), config.event_log_handler)
+        torch_events.record(agent.get_event_succeeded(), config.event_log_handler)
         if result.is_failed():
             msg = ChildFailedError(name=args.training_script, failures=result.failures)
             sys.stderr.write(str(msg.format_msg()) + "\n")  # type: ignore[no-untyped-call]
@@ -181,18 +224,31 @@ def run(args: argparse.Namespace) -> int:
             "Workers finished after %.1f s (%s membership changes, %s restarts left).",
             time.monotonic() - started, agent.membership_restarts, agent.remaining_restarts,
         )
+        events.record("job_finished", round=agent.round)
+        outcome, code = "succeeded", EXIT_OK
+        return EXIT_OK
+    except PlannedDeparture as exc:
+        # Left on a preemption notice: not a failure, and the rendezvous stays open.
+        shutdown_rdzv = False
+        logger.info("Left the job on a %s preemption notice (workers %s).", exc.notice.source,
+                    "drained" if exc.drained else "killed")
+        outcome, code = "departed", EXIT_OK
         return EXIT_OK
     except SignalException as exc:
         # As torch: leave the rendezvous open so the other nodes can go on without this one.
         shutdown_rdzv = False
-        events.record(agent.get_event_failed(), config.event_log_handler)
-        return 128 + int(exc.sigval)
+        torch_events.record(agent.get_event_failed(), config.event_log_handler)
+        outcome, code = "signal", 128 + int(exc.sigval)
+        return code
     except (RendezvousError, EtcdUnavailableError) as exc:
         # Closing the rendezvous needs the etcd that just failed us: don't wait on it again.
         shutdown_rdzv = not isinstance(exc, (RendezvousConnectionError, EtcdUnavailableError))
-        events.record(agent.get_event_failed(), config.event_log_handler)
+        torch_events.record(agent.get_event_failed(), config.event_log_handler)
+        outcome, code = "rendezvous_error", EXIT_RENDEZVOUS
         return _fail(f"the rendezvous failed ({type(exc).__name__}: {exc})", EXIT_RENDEZVOUS)
     finally:
+        monitor.stop()
+        events.record("agent_exited", round=agent.round, outcome=outcome, exit_code=code)
         if shutdown_rdzv:
             try:
                 handler.shutdown()

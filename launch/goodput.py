@@ -1,0 +1,252 @@
+"""The goodput report of a job, from its event log (:mod:`elastic.eventlog`).
+
+``elastic-run goodput EVENTS_DIR [--job ID] [--json]`` (or ``python -m launch.goodput``) prints,
+per job found in the directory:
+
+* wall time: the first agent's start to the last agent's exit;
+* productive time: the compute time of every step that counts (the last execution of each
+  step index); executions of a step index that was later redone (after a rollback to a
+  checkpoint) are *recomputed* time instead; goodput is productive time over wall time;
+* checkpoint stalls: the time the training loop waited on saves;
+* the rendezvous rounds, each with why it started and its recovery time (the last step of the
+  round before to the first step of this one);
+* departures, planned (a preemption notice: the node drained and left) apart from failures (a
+  node lost without notice, or a crashed worker).
+
+Step and checkpoint times come from the workers' ``step``/``checkpoint`` events; without them
+the report still lists rounds and departures, and productive time is unknown.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any, Final
+
+from elastic.eventlog import read_events
+
+_REASON_ORDER: Final = ("planned_departure", "node_lost", "worker_failed", "node_joined",
+                        "start")
+
+
+@dataclass(frozen=True, slots=True)
+class Round:
+    """One rendezvous round as the agents reported it."""
+
+    round: int
+    started_at: float
+    """Seconds after the job's start."""
+    world: int | None
+    reason: str
+    first_step_at: float | None = None
+    recovery_s: float | None = None
+    """Last step of the previous round to the first step of this one."""
+
+
+@dataclass(frozen=True, slots=True)
+class Departure:
+    """A node that left the job before it finished."""
+
+    node: str
+    at: float
+    """Seconds after the job's start."""
+    round: int | None
+    planned: bool
+    cause: str
+    """The notice's source (aws, gcp, azure, sigterm) or ``node_lost``/``crash``."""
+    drained: bool | None = None
+    """Planned only: whether its workers stopped (and checkpointed) within the budget."""
+
+
+@dataclass(slots=True)
+class Report:
+    """Goodput and membership history of one job."""
+
+    job: str
+    wall_s: float
+    productive_s: float | None
+    recomputed_s: float
+    recomputed_steps: int
+    checkpoint_s: float
+    steps: int
+    finished: bool
+    rounds: list[Round] = field(default_factory=list)
+    departures: list[Departure] = field(default_factory=list)
+    worker_failures: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def goodput(self) -> float | None:
+        """Productive time over wall time (None without step events)."""
+        if self.productive_s is None or self.wall_s <= 0:
+            return None
+        return self.productive_s / self.wall_s
+
+    def to_json(self) -> dict[str, Any]:
+        """The report as a JSON-ready dict (``goodput`` included)."""
+        return {**asdict(self), "goodput": self.goodput}
+
+
+def load(directory: str) -> dict[str, list[dict[str, Any]]]:
+    """Events under ``directory`` grouped by job, each list in time order."""
+    jobs: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for event in read_events(directory):
+        jobs[str(event.get("job", ""))].append(event)
+    for events in jobs.values():
+        events.sort(key=lambda e: float(e["time"]))
+    return dict(jobs)
+
+
+def _of(events: Iterable[dict[str, Any]], *kinds: str) -> list[dict[str, Any]]:
+    return [e for e in events if e["event"] in kinds]
+
+
+def _rounds(events: list[dict[str, Any]], t0: float, steps: list[dict[str, Any]]) -> list[Round]:
+    by_round: dict[int, list[dict[str, Any]]] = defaultdict(list)
+    for e in _of(events, "round_started"):
+        if isinstance(e.get("round"), int):
+            by_round[e["round"]].append(e)
+    first_step: dict[int, float] = {}
+    last_step: dict[int, float] = {}
+    for s in steps:
+        r = s.get("round")
+        if isinstance(r, int):
+            first_step.setdefault(r, s["time"])
+            last_step[r] = s["time"]
+    rounds = []
+    for number in sorted(by_round):
+        starts = by_round[number]
+        reasons = [str(e.get("reason", "")) for e in starts]
+        reason = min(reasons, key=lambda r: _REASON_ORDER.index(r)
+                     if r in _REASON_ORDER else len(_REASON_ORDER))
+        worlds = [int(e["world"]) for e in starts if isinstance(e.get("world"), int)]
+        first = first_step.get(number)
+        before = [t for r, t in last_step.items() if r < number]
+        recovery = first - max(before) if first is not None and before else None
+        rounds.append(Round(
+            round=number, started_at=min(e["time"] for e in starts) - t0,
+            world=max(worlds) if worlds else None, reason=reason,
+            first_step_at=None if first is None else first - t0,
+            recovery_s=None if recovery is None else round(recovery, 3),
+        ))
+    return rounds
+
+
+def _departures(events: list[dict[str, Any]], t0: float) -> list[Departure]:
+    drained = {e["node"]: e.get("drained") for e in _of(events, "left_rendezvous")}
+    out = [
+        Departure(node=e["node"], at=e["time"] - t0, round=e.get("round"), planned=True,
+                  cause=str(e.get("notice", "")), drained=drained.get(e["node"]))
+        for e in _of(events, "planned_departure")
+    ]
+    planned_nodes = {d.node for d in out}
+    # (round, group rank) -> node, from each agent's own round_started events.
+    node_at = {(e.get("round"), e.get("group_rank")): e["node"]
+               for e in _of(events, "round_started")}
+    seen: set[tuple[Any, Any]] = set()
+    for e in _of(events, "node_lost"):
+        for rank in e.get("ranks", []):
+            key = (e.get("round"), rank)
+            node = node_at.get(key, f"rank {rank}")
+            if key in seen or node in planned_nodes:
+                continue
+            seen.add(key)
+            out.append(Departure(node=node, at=e["time"] - t0, round=e.get("round"),
+                                 planned=False, cause="node_lost"))
+    return sorted(out, key=lambda d: d.at)
+
+
+def build_report(job: str, events: list[dict[str, Any]]) -> Report:
+    """Compute the report of one job from its events (in time order)."""
+    agent = [e for e in events if e.get("source") == "agent"] or events
+    t0 = min(e["time"] for e in (_of(agent, "agent_started") or agent))
+    exits = _of(agent, "agent_exited")
+    t1 = max(e["time"] for e in (exits or events))
+    steps = _of(events, "step")
+    last: dict[int, dict[str, Any]] = {}
+    for s in steps:
+        last[int(s["step"])] = s  # time order: the last execution wins
+    counted = {id(s) for s in last.values()}
+    redone = [s for s in steps if id(s) not in counted]
+    productive = sum(float(s.get("duration_s") or 0.0) for s in last.values())
+    failures = [
+        {"node": e["node"], "at": e["time"] - t0, "round": e.get("round"),
+         "cause": e.get("cause"), "exit_codes": e.get("exit_codes")}
+        for e in _of(agent, "worker_failed")
+    ]
+    return Report(
+        job=job, wall_s=max(0.0, t1 - t0),
+        productive_s=productive if steps else None,
+        recomputed_s=sum(float(s.get("duration_s") or 0.0) for s in redone),
+        recomputed_steps=len(redone),
+        checkpoint_s=sum(float(e.get("blocked_s") or 0.0) for e in _of(events, "checkpoint")),
+        steps=len(last),
+        finished=bool(_of(agent, "job_finished")),
+        rounds=_rounds(agent, t0, steps),
+        departures=_departures(agent, t0),
+        worker_failures=failures,
+    )
+
+
+def format_report(report: Report) -> str:
+    """The report as text for a terminal."""
+    lines = [f"job {report.job}: {'finished' if report.finished else 'not finished'}",
+             f"  wall time          {report.wall_s:9.1f} s"]
+    if report.productive_s is None:
+        lines.append("  productive         (no step events: goodput unknown)")
+    else:
+        lines.append(f"  productive         {report.productive_s:9.1f} s   goodput "
+                     f"{report.goodput or 0.0:.3f} ({report.steps} steps)")
+    lines.append(f"  recomputed         {report.recomputed_s:9.1f} s   "
+                 f"({report.recomputed_steps} steps redone)")
+    lines.append(f"  checkpoint stalls  {report.checkpoint_s:9.1f} s")
+    lines.append("  rounds:")
+    for r in report.rounds:
+        recovery = "" if r.recovery_s is None else f"  recovery {r.recovery_s:.1f} s"
+        lines.append(f"    round {r.round:<3} +{r.started_at:7.1f} s  world {r.world}  "
+                     f"{r.reason}{recovery}")
+    lines.append("  departures:" if report.departures else "  departures: none")
+    for d in report.departures:
+        if d.planned:
+            how = "drained" if d.drained else ("killed" if d.drained is False else "?")
+            what = f"planned ({d.cause} notice, workers {how})"
+        else:
+            what = f"failure ({d.cause})"
+        lines.append(f"    +{d.at:7.1f} s  {d.node}  round {d.round}  {what}")
+    crashes = [f for f in report.worker_failures if f["cause"] == "crash"]
+    lines.append(f"  worker failures charged as crashes: {len(crashes)}")
+    for f in crashes:
+        lines.append(f"    +{f['at']:7.1f} s  {f['node']}  round {f['round']}  "
+                     f"exit codes {f['exit_codes']}")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``elastic-run goodput EVENTS_DIR``; exit 0, or 2 when the directory has no events."""
+    parser = argparse.ArgumentParser(prog="elastic-run goodput",
+                                     description="Goodput report of a job's event log.")
+    parser.add_argument("events_dir", help="the --events-dir of the job")
+    parser.add_argument("--job", default=None, help="only this job id (default: every job)")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of text")
+    args = parser.parse_args(None if argv is None else list(argv))
+    jobs = load(args.events_dir)
+    if args.job is not None:
+        jobs = {k: v for k, v in jobs.items() if k == args.job}
+    if not jobs:
+        what = f"job {args.job!r}" if args.job else "any job"
+        sys.stderr.write(f"elastic-run goodput: error: no events of {what} under "
+                         f"{args.events_dir}; pass the job's --events-dir.\n")
+        return 2
+    reports = [build_report(job, events) for job, events in sorted(jobs.items())]
+    if args.json:
+        print(json.dumps([r.to_json() for r in reports], indent=2))
+    else:
+        print("\n\n".join(format_report(r) for r in reports))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
