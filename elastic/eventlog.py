@@ -34,7 +34,10 @@ job_finished           (this node's workers finished the job)
 agent_exited           outcome: succeeded, failed, departed, signal or rendezvous_error;
                        exit_code
 step                   step, duration_s (compute time of the step), world (global rank 0 only)
-checkpoint             step, blocked_s (time the loop waited on the save), final
+checkpoint             step, blocked_s (time the loop waited on the save), final, wait
+                       ("commit": waiting for an earlier save's commit, not starting one)
+restored               step (where training resumes), found (a checkpoint was loaded),
+                       duration_s (time spent loading it)
 =====================  ==========================================================================
 
 Writing never raises: an unwritable directory is logged once and the job goes on.

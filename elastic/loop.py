@@ -41,6 +41,11 @@ Guarantees (restart-based path):
   signal: Terminated" instead of draining. :meth:`ElasticLoop.micro_batches` therefore makes
   the loader's workers ignore SIGTERM (wrapping its ``worker_init_fn``); they still stop when
   the main process shuts the loader down, and die with it on SIGKILL.
+
+Under ``elastic-run --events-dir`` global rank 0 appends ``step`` (compute time of each step),
+``checkpoint`` (time the training thread was blocked by a save or a commit wait) and
+``restored`` (time spent loading the checkpoint) events to the job event log
+(:mod:`elastic.eventlog`), from which ``elastic-run goodput`` splits the wall time.
 """
 
 from __future__ import annotations
@@ -63,6 +68,7 @@ from torch.utils.data import DataLoader
 
 from elastic.batching import BatchPlan, plan_batches
 from elastic.errors import ConfigError
+from elastic.eventlog import EventLog
 
 if TYPE_CHECKING:
     from checkpointing import CheckpointManager, SaveHandle
@@ -209,6 +215,11 @@ class ElasticLoop:
         self._batches: Iterator[Any] | None = None
         self._loader: Iterable[Any] | None = None
         self._restored = False
+        # One writer per job is enough for the goodput report: the steps are collective.
+        leader = ctx is None or ctx.rank == 0
+        self._events = EventLog.from_env() if leader else EventLog(None, job="", source="worker")
+        self._round = ctx.round if ctx is not None else None
+        self._step_started: float | None = None
 
     # -- batch plan -------------------------------------------------------------------------
 
@@ -280,6 +291,7 @@ class ElasticLoop:
         self._restored = True
         if self.checkpoint is None:
             return self.step
+        started = time.monotonic()
         from checkpointing.errors import CheckpointError
 
         try:
@@ -296,6 +308,9 @@ class ElasticLoop:
                 f"job's model or state ({reason[:200]}); point the checkpoint URL at a new "
                 "directory or restore the code that wrote it."
             ) from exc
+        self._events.record("restored", round=self._round, step=self.step,
+                            found=info is not None,
+                            duration_s=round(time.monotonic() - started, 4))
         if info is None:
             logger.info("fresh start: no committed checkpoint")
             return self.step
@@ -374,6 +389,7 @@ class ElasticLoop:
             self.restore()
         while self.step < self.max_steps and not self._drained:
             started = self.step
+            self._step_started = time.monotonic()
             yield started
             if self.step == started:
                 raise RuntimeError(
@@ -387,6 +403,13 @@ class ElasticLoop:
         if self.sampler is not None:
             self.sampler.advance(self.global_batch_size)
         self.step += 1
+        if self._step_started is not None:
+            self._events.record(
+                "step", round=self._round, step=self.step - 1,
+                duration_s=round(time.monotonic() - self._step_started, 4),
+                world=self.ctx.world_size if self.ctx is not None else 1,
+            )
+            self._step_started = None
         if self.ctx is not None:
             self.ctx.after_first_step()
         drain = self._agree_on_drain()
@@ -422,10 +445,13 @@ class ElasticLoop:
         if not handle.committed.done():
             started = time.monotonic()
             handle.committed.exception()
+            waited = time.monotonic() - started
             logger.info(
                 "waited %.2fs at step %d for the checkpoint of step %d to commit",
-                time.monotonic() - started, self.step, handle.step,
+                waited, self.step, handle.step,
             )
+            self._events.record("checkpoint", round=self._round, step=handle.step,
+                                blocked_s=round(waited, 4), final=False, wait="commit")
         error = handle.committed.exception()
         if error is not None:
             logger.warning(
@@ -453,6 +479,8 @@ class ElasticLoop:
                 )
             else:
                 logger.warning("final checkpoint at step %d did not commit in time", self.step)
+        self._events.record("checkpoint", round=self._round, step=self.step,
+                            blocked_s=round(time.monotonic() - started, 4), final=final)
 
 
 def _as_python_rng(value: Any) -> tuple[Any, ...]:
