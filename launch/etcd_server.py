@@ -279,7 +279,8 @@ class EmbeddedEtcd:
                     # verify=False above is deliberate; don't warn about it on every poll.
                     warnings.simplefilter("ignore", urllib3.exceptions.InsecureRequestWarning)
                     reply = session.get(f"{self.client_url}/health", timeout=1.0)
-                    if reply.ok and reply.json().get("health") in ("true", True):
+                    if reply.ok and reply.json().get("health") in ("true", True) \
+                            and self._answers_as_ours(session):
                         return
                 time.sleep(0.05)
         finally:
@@ -289,6 +290,14 @@ class EmbeddedEtcd:
             f"etcd ({self.endpoint}) was not healthy within {timeout.total_seconds():g} s; "
             f"its log ends with: {self._log_tail()}"
         )
+
+    def _answers_as_ours(self, session: requests.Session) -> bool:
+        # free_port() only promises the port was free a moment ago: another etcd (a parallel
+        # test, a neighbour's job) may have bound it first, and its /health would then pass for
+        # ours while ours fails to bind. Our peer URL in the member list proves the cluster.
+        reply = session.post(f"{self.client_url}/v3/cluster/member/list", json={}, timeout=1.0)
+        members = reply.json().get("members", []) if reply.ok else []
+        return any(self.peer_url in member.get("peerURLs", []) for member in members)
 
     def _log_tail(self, lines: int = 5) -> str:
         try:
