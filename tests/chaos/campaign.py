@@ -1,0 +1,118 @@
+"""A seeded random chaos campaign: faults of random kinds at random steps, run after run.
+
+    python -m tests.chaos.campaign --seed 1234 --faults 50          # a release check
+    python -m tests.chaos.campaign --seed 1234 --faults 50 --only 7 # replay run 7 of it
+
+The seed is printed first; the same seed draws the same faults (kinds, nodes, steps,
+durations) for every run, so a failing run is replayed with ``--seed S --only I``. Faults are
+spread over runs of ``--per-run`` faults each (every run is a fresh job on the shared 3-member
+etcd cluster, with S3 checkpoints whenever a storage outage was drawn). Each run is checked
+like every chaos scenario (:meth:`tests.chaos.injector.RunResult.check`); a run that does not
+finish within its time budget counts as a hang. One JSON line per run goes to ``--out``; the
+last line printed is the tally. Exit status 0 only if every run passed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import random
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from tests.chaos.injector import ChaosEnv, ChaosRun, JobShape, chaos_env, random_faults, summary
+
+
+def plan(seed: int, faults: int, per_run: int, nodes: int,
+         shape: JobShape) -> list[list[Any]]:
+    """The faults of every run, drawn from ``seed`` alone."""
+    rng = random.Random(seed)
+    runs = []
+    left = faults
+    while left > 0:
+        count = min(per_run, left)
+        runs.append(random_faults(rng, count, nodes=nodes, steps=shape.steps))
+        left -= count
+    return runs
+
+
+def run_campaign(env: ChaosEnv, *, seed: int, faults: int, per_run: int = 5, nodes: int = 3,
+                 only: int | None = None, out: Path | None = None,
+                 shape: JobShape | None = None) -> dict[str, Any]:
+    """Runs the campaign; returns the tally (``failed`` lists the runs that failed)."""
+    shape = shape or JobShape()
+    runs = plan(seed, faults, per_run, nodes, shape)
+    tally: dict[str, Any] = {"seed": seed, "runs": 0, "faults": 0, "hangs": 0,
+                             "wrong_weights_or_samples": 0, "unloadable_checkpoints": 0,
+                             "failed": [], "wall_s": 0.0}
+    for index, scenario in enumerate(runs):
+        if only is not None and index != only:
+            continue
+        timeout = 30.0 + 15.0 * len(scenario)
+        result = ChaosRun(env, scenario, nodes=nodes, shape=shape, timeout=timeout,
+                          name=f"seed{seed}-run{index}").execute()
+        error = ""
+        try:
+            result.check()
+        except AssertionError as exc:
+            error = str(exc)
+        tally["runs"] += 1
+        tally["faults"] += sum(1 for i in result.injected if i.at is not None)
+        tally["wall_s"] = round(tally["wall_s"] + result.wall_s, 1)
+        if error:
+            tally["failed"].append(index)
+            if result.hung:
+                tally["hangs"] += 1
+            elif "checkpoint" not in result.checks and "audit" in result.checks:
+                tally["unloadable_checkpoints"] += 1
+            elif "audit" not in result.checks:
+                tally["wrong_weights_or_samples"] += 1
+        line = {"run": index, "ok": not error, **summary(result),
+                "error": error.splitlines()[:3]}
+        print(json.dumps(line), flush=True)
+        if out is not None:
+            with out.open("a") as f:
+                f.write(json.dumps(line) + "\n")
+        if error:
+            print(f"FAILED run {index}; replay: python -m tests.chaos.campaign --seed {seed} "
+                  f"--faults {faults} --per-run {per_run} --nodes {nodes} --only {index}\n"
+                  f"{error[-4000:]}", file=sys.stderr, flush=True)
+    return tally
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tests.chaos.campaign",
+                                     description="Seeded random chaos campaign.")
+    parser.add_argument("--seed", type=int, default=None, help="default: a random seed")
+    parser.add_argument("--faults", type=int, default=50, help="faults in all (default 50)")
+    parser.add_argument("--per-run", type=int, default=5, help="faults per job (default 5)")
+    parser.add_argument("--nodes", type=int, default=3, help="nodes per job (default 3)")
+    parser.add_argument("--only", type=int, default=None, help="replay only this run index")
+    parser.add_argument("--out", type=Path, default=None, help="append JSON lines here")
+    parser.add_argument("--root", type=Path, default=None, help="work directory")
+    args = parser.parse_args(argv)
+    if args.faults < 1 or args.per_run < 1 or args.nodes < 1:
+        parser.error(f"--faults ({args.faults}), --per-run ({args.per_run}) and --nodes "
+                     f"({args.nodes}) must be at least 1.")
+    seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1 << 31)
+    print(f"chaos campaign seed {seed} ({args.faults} faults, {args.per_run} per run, "
+          f"{args.nodes} nodes)", flush=True)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(message)s")
+    root = args.root or Path(tempfile.mkdtemp(prefix=f"chaos-campaign-{seed}-"))
+    started = time.monotonic()
+    with chaos_env(root) as env:
+        tally = run_campaign(env, seed=seed, faults=args.faults, per_run=args.per_run,
+                             nodes=args.nodes, only=args.only, out=args.out)
+    tally["elapsed_s"] = round(time.monotonic() - started, 1)
+    tally["root"] = str(root)
+    print(json.dumps({"tally": tally}), flush=True)
+    return 1 if tally["failed"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
