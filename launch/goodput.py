@@ -1,7 +1,7 @@
 """The goodput report of a job, from its event log (:mod:`elastic.eventlog`).
 
-``elastic-run goodput EVENTS_DIR [--job ID] [--json]`` (or ``python -m launch.goodput``) prints,
-per job found in the directory:
+``elastic-run goodput EVENTS_DIR [--job ID] [--json] [--plot OUT.png]`` (or
+``python -m launch.goodput``) prints, per job found in the directory:
 
 * wall time: the first agent's start to the last agent's exit;
 * productive time: the compute time of every step that counts (the last execution of each
@@ -13,13 +13,29 @@ per job found in the directory:
 * departures, planned (a preemption notice: the node drained and left) apart from failures (a
   node lost without notice, or a crashed worker).
 
-Step and checkpoint times come from the workers' ``step``/``checkpoint`` events; without them
-the report still lists rounds and departures, and productive time is unknown.
+* the wall time split into ``breakdown``: productive, recomputed, checkpoint (stalls),
+  detection, rendezvous, restore and other (what is left: loop overhead between steps, the
+  exit barrier); the parts add up to the wall time;
+* the membership changes, each with its recovery time split the same way: *detection* from
+  the last step before the change to the first agent that noticed it (a ``worker_failed``,
+  ``node_lost``, ``peer_departed`` or ``planned_departure`` event; zero for a joining node,
+  which nobody has to detect), *rendezvous* from there to the new round's start, *restore*
+  from the round's start to its first step's start (new workers, process group, checkpoint
+  load; ``load_s`` is the checkpoint load alone). The job's start counts as rendezvous (first
+  agent start to the first round) and restore (to the first step);
+* ``timeline``: the same intervals as ``[start, end, kind]`` seconds after the job's start,
+  consecutive steps merged, and ``worlds`` as ``[time, world]`` points, for
+  ``--plot OUT.png`` (a timeline picture; needs matplotlib, the ``plot`` extra).
+
+Step and checkpoint times come from the workers' ``step``/``checkpoint`` events (written by
+``ElasticLoop`` on global rank 0); without them the report still lists rounds and departures,
+and productive time is unknown.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 from collections import defaultdict
@@ -31,6 +47,12 @@ from elastic.eventlog import read_events
 
 _REASON_ORDER: Final = ("planned_departure", "node_lost", "worker_failed", "node_joined",
                         "start")
+_NOTICED: Final = ("worker_failed", "node_lost", "peer_departed", "planned_departure")
+#: Parts of the wall time, in the order they are printed and plotted.
+PARTS: Final = ("productive", "recomputed", "checkpoint", "detection", "rendezvous", "restore",
+                "other")
+#: Steps closer than this are drawn as one interval of the timeline.
+_MERGE_GAP_S: Final = 0.25
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +84,28 @@ class Departure:
     """Planned only: whether its workers stopped (and checkpointed) within the budget."""
 
 
+@dataclass(frozen=True, slots=True)
+class Change:
+    """One membership change (a round after the first that trained), with its recovery time."""
+
+    round: int
+    """The round that resumed training."""
+    reason: str
+    at: float
+    """End of the last step before the change, seconds after the job's start."""
+    world_before: int | None
+    world_after: int | None
+    detection_s: float
+    rendezvous_s: float
+    restore_s: float
+    load_s: float | None
+    """Checkpoint load alone (part of restore), from the loop's ``restored`` event."""
+    recovery_s: float
+    """Last step before to first step start after: detection + rendezvous + restore."""
+    rounds: list[int] = field(default_factory=list)
+    """Every round started during the change (more than one when a round failed early)."""
+
+
 @dataclass(slots=True)
 class Report:
     """Goodput and membership history of one job."""
@@ -77,6 +121,11 @@ class Report:
     rounds: list[Round] = field(default_factory=list)
     departures: list[Departure] = field(default_factory=list)
     worker_failures: list[dict[str, Any]] = field(default_factory=list)
+    breakdown: dict[str, float] = field(default_factory=dict)
+    """Wall time by part (:data:`PARTS`), seconds; empty without step events."""
+    changes: list[Change] = field(default_factory=list)
+    timeline: list[tuple[float, float, str]] = field(default_factory=list)
+    worlds: list[tuple[float, int]] = field(default_factory=list)
 
     @property
     def goodput(self) -> float | None:
@@ -177,6 +226,7 @@ def build_report(job: str, events: list[dict[str, Any]]) -> Report:
          "cause": e.get("cause"), "exit_codes": e.get("exit_codes")}
         for e in _of(agent, "worker_failed")
     ]
+    breakdown, changes, timeline, worlds = _split(agent, events, steps, redone, t0, t1)
     return Report(
         job=job, wall_s=max(0.0, t1 - t0),
         productive_s=productive if steps else None,
@@ -188,7 +238,92 @@ def build_report(job: str, events: list[dict[str, Any]]) -> Report:
         rounds=_rounds(agent, t0, steps),
         departures=_departures(agent, t0),
         worker_failures=failures,
+        breakdown=breakdown, changes=changes, timeline=timeline, worlds=worlds,
     )
+
+
+def _merge(intervals: list[tuple[float, float, str]]) -> list[tuple[float, float, str]]:
+    """Sorted intervals with touching ones of the same kind merged (a readable timeline)."""
+    out: list[tuple[float, float, str]] = []
+    for start, end, kind in sorted(intervals):
+        if out and out[-1][2] == kind and start - out[-1][1] <= _MERGE_GAP_S:
+            out[-1] = (out[-1][0], max(out[-1][1], end), kind)
+        else:
+            out.append((start, end, kind))
+    return [(round(a, 3), round(b, 3), k) for a, b, k in out]
+
+
+def _split(
+    agent: list[dict[str, Any]], events: list[dict[str, Any]], steps: list[dict[str, Any]],
+    redone: list[dict[str, Any]], t0: float, t1: float,
+) -> tuple[dict[str, float], list[Change], list[tuple[float, float, str]],
+           list[tuple[float, int]]]:
+    """The wall-time breakdown, membership changes, timeline and world sizes (module doc)."""
+    if not steps:
+        return {}, [], [], []
+    redone_ids = {id(s) for s in redone}
+    intervals: list[tuple[float, float, str]] = []
+    for s in steps:
+        end = float(s["time"])
+        start = end - float(s.get("duration_s") or 0.0)
+        intervals.append((start - t0, end - t0,
+                          "recomputed" if id(s) in redone_ids else "productive"))
+    for e in _of(events, "checkpoint"):
+        blocked = float(e.get("blocked_s") or 0.0)
+        if blocked > 0:
+            intervals.append((e["time"] - blocked - t0, e["time"] - t0, "checkpoint"))
+    round_start: dict[int, float] = {}
+    for e in _of(agent, "round_started"):
+        if isinstance(e.get("round"), int):
+            round_start[e["round"]] = min(round_start.get(e["round"], e["time"]), e["time"])
+    loads = {e.get("round"): float(e.get("duration_s") or 0.0) for e in _of(events, "restored")}
+    first_start: dict[int, float] = {}
+    world_of: dict[int, int] = {}
+    for s in steps:
+        r = s.get("round")
+        if isinstance(r, int) and r not in first_start:
+            first_start[r] = float(s["time"]) - float(s.get("duration_s") or 0.0)
+            if isinstance(s.get("world"), int):
+                world_of[r] = s["world"]
+    trained = sorted(first_start)
+    noticed = sorted(float(e["time"]) for e in _of(agent, *_NOTICED))
+    reasons = {r.round: r.reason for r in _rounds(agent, t0, steps)}
+    changes: list[Change] = []
+    if trained:
+        # The start: first agent up to the first round (rendezvous), then to the first step.
+        first = trained[0]
+        begin = round_start.get(first, first_start[first])
+        intervals.append((0.0, begin - t0, "rendezvous"))
+        intervals.append((begin - t0, first_start[first] - t0, "restore"))
+    for before, after in itertools.pairwise(trained):
+        last_end = max(float(s["time"]) for s in steps if s.get("round") == before)
+        resumed = first_start[after]
+        began = min(max(round_start.get(after, resumed), last_end), resumed)
+        seen = next((t for t in noticed if last_end <= t <= began), None)
+        # Nothing noticed (a node joining is announced, not detected): all of it is rendezvous.
+        detected = seen if seen is not None else last_end
+        parts = (("detection", last_end, detected), ("rendezvous", detected, began),
+                 ("restore", began, resumed))
+        intervals.extend((a - t0, b - t0, kind) for kind, a, b in parts)
+        changes.append(Change(
+            round=after, reason=reasons.get(after, "?"), at=round(last_end - t0, 3),
+            world_before=world_of.get(before), world_after=world_of.get(after),
+            detection_s=round(detected - last_end, 3), rendezvous_s=round(began - detected, 3),
+            restore_s=round(resumed - began, 3),
+            load_s=loads.get(after), recovery_s=round(resumed - last_end, 3),
+            rounds=sorted(r for r in round_start if before < r <= after),
+        ))
+    breakdown = dict.fromkeys(PARTS, 0.0)
+    for start, end, kind in intervals:
+        breakdown[kind] += max(0.0, end - start)
+    breakdown["other"] = max(0.0, (t1 - t0) - sum(breakdown.values()))
+    worlds: list[tuple[float, int]] = []
+    for s in steps:
+        w = s.get("world")
+        if isinstance(w, int) and (not worlds or worlds[-1][1] != w):
+            worlds.append((round(float(s["time"]) - t0, 3), w))
+    return ({k: round(v, 3) for k, v in breakdown.items()}, changes, _merge(intervals),
+            worlds)
 
 
 def format_report(report: Report) -> str:
@@ -203,6 +338,20 @@ def format_report(report: Report) -> str:
     lines.append(f"  recomputed         {report.recomputed_s:9.1f} s   "
                  f"({report.recomputed_steps} steps redone)")
     lines.append(f"  checkpoint stalls  {report.checkpoint_s:9.1f} s")
+    if report.breakdown:
+        wall = report.wall_s or 1.0
+        lines.append("  wall time by part:")
+        for part in PARTS:
+            value = report.breakdown.get(part, 0.0)
+            lines.append(f"    {part:<12} {value:9.1f} s  {100 * value / wall:5.1f} %")
+    if report.changes:
+        lines.append("  membership changes (recovery = detection + rendezvous + restore):")
+    for c in report.changes:
+        load = "" if c.load_s is None else f" (load {c.load_s:.2f})"
+        lines.append(
+            f"    +{c.at:7.1f} s  round {c.round:<3} {c.reason:<17} world {c.world_before}"
+            f"->{c.world_after}  recovery {c.recovery_s:5.2f} s = {c.detection_s:.2f} + "
+            f"{c.rendezvous_s:.2f} + {c.restore_s:.2f}{load}")
     lines.append("  rounds:")
     for r in report.rounds:
         recovery = "" if r.recovery_s is None else f"  recovery {r.recovery_s:.1f} s"
@@ -231,6 +380,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("events_dir", help="the --events-dir of the job")
     parser.add_argument("--job", default=None, help="only this job id (default: every job)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of text")
+    parser.add_argument("--plot", metavar="OUT.png", default=None,
+                        help="also draw the timeline of the job (one job: pass --job when the "
+                             "directory has several) as a PNG; needs matplotlib")
     args = parser.parse_args(None if argv is None else list(argv))
     jobs = load(args.events_dir)
     if args.job is not None:
@@ -241,6 +393,19 @@ def main(argv: Sequence[str] | None = None) -> int:
                          f"{args.events_dir}; pass the job's --events-dir.\n")
         return 2
     reports = [build_report(job, events) for job, events in sorted(jobs.items())]
+    if args.plot is not None:
+        if len(reports) != 1:
+            sys.stderr.write(f"elastic-run goodput: error: --plot draws one job but "
+                             f"{args.events_dir} has {len(reports)} "
+                             f"({', '.join(r.job for r in reports)}); pass --job ID.\n")
+            return 2
+        try:
+            from launch.goodput_plot import plot
+        except ImportError as exc:
+            sys.stderr.write(f"elastic-run goodput: error: --plot needs matplotlib ({exc}); "
+                             "install the 'plot' extra: pip install 'elastic-run[plot]'.\n")
+            return 2
+        plot(reports[0].to_json(), args.plot)
     if args.json:
         print(json.dumps([r.to_json() for r in reports], indent=2))
     else:

@@ -1,0 +1,84 @@
+"""The goodput report's wall-time breakdown, membership changes and timeline picture."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from launch import goodput
+from tests.unit.launch.test_goodput import events_dir  # noqa: F401 - the shared fixture
+
+
+def _report(directory: Path) -> goodput.Report:
+    (job, events), = goodput.load(str(directory)).items()
+    return goodput.build_report(job, events)
+
+
+def test_the_parts_of_the_wall_time_add_up_and_match_the_log(events_dir: Path) -> None:  # noqa: F811
+    report = _report(events_dir)
+    parts = report.breakdown
+    assert list(parts) == list(goodput.PARTS)
+    assert sum(parts.values()) == pytest.approx(report.wall_s)
+    assert parts["productive"] == pytest.approx(10.0)
+    assert parts["recomputed"] == pytest.approx(1.0)
+    assert parts["checkpoint"] == pytest.approx(0.25)
+    assert parts["detection"] == pytest.approx(6.0 + 9.0)
+    assert parts["rendezvous"] == pytest.approx(2.0 + 4.0 + 2.0)  # the start counts too
+    assert parts["restore"] == pytest.approx(2.5 + 2.5 + 2.5)
+    assert parts["other"] == pytest.approx(60.0 - 41.75)
+
+
+def test_each_membership_change_splits_its_recovery(events_dir: Path) -> None:  # noqa: F811
+    changes = _report(events_dir).changes
+    assert [(c.round, c.reason, c.world_before, c.world_after) for c in changes] == [
+        (1, "planned_departure", 3, 3), (2, "node_lost", 3, 3)]
+    first, second = changes
+    # Last step of round 0 ends at +14; b's notice at +20; round 1 at +24; its first step
+    # starts at +26.5.
+    assert (first.at, first.detection_s, first.rendezvous_s, first.restore_s) == (
+        14.0, 6.0, 4.0, 2.5)
+    assert first.recovery_s == pytest.approx(12.5)
+    assert (second.detection_s, second.rendezvous_s, second.restore_s) == (9.0, 2.0, 2.5)
+
+
+def test_the_timeline_merges_steps_and_is_in_json(
+    events_dir: Path, capsys: pytest.CaptureFixture[str],  # noqa: F811
+) -> None:
+    assert goodput.main([str(events_dir), "--json"]) == 0
+    (data,) = json.loads(capsys.readouterr().out)
+    kinds = [kind for _, _, kind in data["timeline"]]
+    assert kinds.count("productive") == 20  # steps here are 0.5 s apart: not merged
+    merged = goodput._merge([(0.0, 1.0, "productive"), (1.1, 2.0, "productive"),
+                             (3.0, 4.0, "productive"), (3.5, 3.6, "checkpoint")])
+    assert merged == [(0.0, 2.0, "productive"), (3.0, 4.0, "productive"),
+                      (3.5, 3.6, "checkpoint")]
+    assert {"detection", "rendezvous", "restore", "checkpoint", "recomputed"} <= set(kinds)
+    assert data["breakdown"]["productive"] == pytest.approx(10.0)
+    assert [c["round"] for c in data["changes"]] == [1, 2]
+    assert data["worlds"][0] == [4.5 + 0.5, 3]
+
+
+def test_the_plot_command_writes_a_real_png(events_dir: Path, tmp_path: Path) -> None:  # noqa: F811
+    image = pytest.importorskip("matplotlib.image")
+    out = tmp_path / "timeline.png"
+    assert goodput.main([str(events_dir), "--plot", str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    pixels = image.imread(str(out))
+    height, width = pixels.shape[:2]
+    assert width > 800 and height > 300
+    colors = {tuple(round(float(c), 2) for c in px[:3]) for px in pixels[::7, ::7].reshape(-1,
+                                                                                        pixels.shape[2])}
+    assert len(colors) > 10, "the picture is (nearly) blank"
+
+
+def test_plotting_a_directory_of_several_jobs_needs_a_job_id(
+    events_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],  # noqa: F811
+) -> None:
+    other = (events_dir / "a.jsonl").read_text().replace('"job": "exp"', '"job": "exp2"')
+    (events_dir / "z.jsonl").write_text(other)
+    assert goodput.main([str(events_dir), "--plot", str(tmp_path / "x.png")]) == 2
+    assert "pass --job ID" in capsys.readouterr().err
+    assert goodput.main([str(events_dir), "--job", "exp", "--plot",
+                         str(tmp_path / "x.png")]) == 0
