@@ -27,6 +27,7 @@ from typing import Any
 
 import torch.distributed as dist
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
@@ -51,7 +52,7 @@ from checkpointing.layout import (
 from checkpointing.retention import plan_retention
 from checkpointing.shard_io import ShardWriter
 from checkpointing.staging import HostStager
-from checkpointing.storage import STORAGE_RETRY_DEADLINE_S, Storage
+from checkpointing.storage import STORAGE_RETRY_DEADLINE_S, Storage, is_transient
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +88,23 @@ class SaveHandle:
 
 def _order(name: str) -> tuple[int, int]:
     return parse_dir_name(name) or (-1, -1)
+
+
+def _root_causes(exc: BaseException) -> list[BaseException]:
+    """The per-rank errors inside DCP's ``CheckpointException``, else ``[exc]``."""
+    if isinstance(exc, CheckpointException):
+        found = [pair[0] for pair in exc.failures.values() if isinstance(pair, tuple) and pair]
+        return found or [exc]
+    return [exc]
+
+
+def _describe(causes: list[BaseException]) -> str:
+    """One line naming each distinct cause (DCP's own text is a multi-line traceback)."""
+    seen: dict[str, None] = {}
+    for cause in causes:
+        text = " ".join(str(cause).split())
+        seen[f"{type(cause).__name__}: {text}" if text else type(cause).__name__] = None
+    return "; ".join(seen)
 
 
 def _info(rec: CommitRecord, path: str) -> CheckpointInfo:
@@ -171,6 +189,9 @@ class CheckpointManager:
         self._stager = HostStager()
         self._inflight: SaveHandle | None = None
         self._inflight_dir: str | None = None
+        # Set when the in-flight save's job has finished, retention included.
+        self._inflight_done = threading.Event()
+        self._inflight_done.set()
         self._closed = False
         self._jobs: queue.Queue[Callable[[], None] | None] = queue.Queue()
         self._thread = threading.Thread(
@@ -225,19 +246,33 @@ class CheckpointManager:
         staged.set_result(None)
         self._inflight = handle
         self._inflight_dir = dir_name
+        done = self._inflight_done = threading.Event()
         user_meta = dict(metadata or {})
 
         def job() -> None:
             try:
+                persist_and_commit()
+            finally:
+                done.set()
+
+        def persist_and_commit() -> None:
+            try:
                 info = self._persist_and_commit(step, dir_name, host_state, user_meta)
             except BaseException as exc:
                 logger.error("checkpoint.failed step=%d: %s", step, exc, exc_info=exc)
-                err = exc if isinstance(exc, CheckpointError) else CheckpointCommitError(
-                    f"Checkpoint at step ({step}) in ({self.storage.url}) was not committed "
-                    f"({type(exc).__name__}: {exc}); the previous checkpoint stays valid and "
-                    "the next save tries again."
-                )
-                if err is not exc:
+                causes = _root_causes(exc)
+                if len(causes) == 1 and isinstance(causes[0], CheckpointError):
+                    err: BaseException = causes[0]
+                else:
+                    retried = (
+                        f" after storage retries for up to {self.storage.retry_deadline_s:g} s"
+                        if any(is_transient(c) for c in causes) else ""
+                    )
+                    err = CheckpointCommitError(
+                        f"Checkpoint at step ({step}) in ({self.storage.url}) was not committed"
+                        f"{retried} ({_describe(causes)}); the previous checkpoint stays valid "
+                        "and the next save tries again."
+                    )
                     err.__cause__ = exc
                 committed.set_exception(err)
                 return
@@ -507,7 +542,9 @@ class CheckpointManager:
 
     # ----------------------------------------------------------------------------- lifecycle
     def wait(self, timeout: timedelta | None = None) -> CheckpointInfo | None:
-        """Wait for the in-flight save; return its info, or ``None`` if none or it failed.
+        """Wait for the in-flight save and its retention pass; return its info, or ``None``.
+
+        ``None`` means there was no save or it failed.
 
         Raises:
             TimeoutError: If ``timeout`` passes first.
@@ -515,8 +552,17 @@ class CheckpointManager:
         handle = self._inflight
         if handle is None:
             return None
-        secs = None if timeout is None else timeout.total_seconds()
-        exc = handle.committed.exception(timeout=secs)
+        deadline = None if timeout is None else time.monotonic() + timeout.total_seconds()
+        exc = handle.committed.exception(
+            timeout=None if deadline is None else max(0.0, deadline - time.monotonic())
+        )
+        # Retention runs after the commit on the I/O thread; waiting for it too means a
+        # caller that loads or lists next does not race its deletions.
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        if not self._inflight_done.wait(left):
+            raise TimeoutError(
+                f"Checkpoint retention after step ({handle.step}) did not finish in time."
+            )
         return None if exc is not None else handle.committed.result()
 
     def close(self, wait: bool = True) -> None:

@@ -137,7 +137,8 @@ class Storage:
         self._retries_lock = threading.Lock()
         self.storage_options: dict[str, Any] = dict(storage_options or {})
         try:
-            fs, root = fsspec.core.url_to_fs(self.url, **self.storage_options)
+            options = _own_options(self.url, self.storage_options)
+            fs, root = fsspec.core.url_to_fs(self.url, **options)
         except ValueError as exc:
             raise CheckpointError(
                 f"Checkpoint URL ({self.url}) has a scheme fsspec does not know ({exc}); "
@@ -149,6 +150,12 @@ class Storage:
                 f"({exc}); install it (for s3:// that is s3fs)."
             ) from exc
         self.fs: Any = fs
+        if _S3 & set(_protocols(fs)):
+            # s3fs's own retry loop (5 tries) would nest around botocore's (5 attempts) and
+            # multiply every read timeout by 25, far past this policy's deadline. This
+            # instance is ours alone (skip_instance_cache), so readers built from the same
+            # options keep s3fs's retries.
+            fs.retries = 1
         self.root: str = str(root).rstrip("/") or "/"
         self.is_local = "file" in _protocols(fs)
 
@@ -328,6 +335,27 @@ class Storage:
 
 
 _BUCKETED = {"s3", "s3a", "gs", "gcs", "az", "abfs", "adl"}
+_S3 = {"s3", "s3a"}
+#: botocore settings for our own S3 client unless the caller sets them: bounded waits, and no
+#: retries below ours, so one storage call takes about ``read_timeout`` per attempt and the
+#: tenacity deadline is what bounds an outage.
+S3_CONFIG_DEFAULTS: dict[str, Any] = {
+    "connect_timeout": 5,
+    "read_timeout": 15,
+    "retries": {"total_max_attempts": 1},
+}
+
+
+def _own_options(url: str, options: Mapping[str, Any]) -> dict[str, Any]:
+    """fsspec options for this Storage's private filesystem instance."""
+    out = dict(options)
+    scheme = url.split("://", 1)[0].lower() if "://" in url else ""
+    if scheme in _S3:
+        config = dict(S3_CONFIG_DEFAULTS)
+        config.update(out.get("config_kwargs") or {})
+        out["config_kwargs"] = config
+        out["skip_instance_cache"] = True
+    return out
 
 
 def _write_local_atomic(path: str, data: bytes | bytearray) -> None:

@@ -153,7 +153,11 @@ class FaultProxy:
             self._armed = (self.forwarded_bytes + int(after_bytes), mode, seconds)
 
     def wait_for_fault(self, timeout: float) -> bool:
-        """Block until a connection has run into the latest outage; ``False`` on timeout."""
+        """Block until traffic has met the latest outage; ``False`` on timeout.
+
+        Traffic meets a reset outage when a new connection is reset, and a blackhole when a
+        connection or bytes are held.
+        """
         deadline = time.monotonic() + timeout
         with self._cond:
             while self.faulted == self._faults_before_outage and not self._closed:
@@ -210,13 +214,15 @@ class FaultProxy:
         """Switch to ``mode``; the caller holds ``_cond``."""
         self._armed = None
         self._mode = mode
-        self._faults_before_outage = self.faulted
         self._until = None if seconds is None else time.monotonic() + seconds
         logger.info("fault proxy :%d -> %s for %s s", self.port, mode.value, seconds)
         if mode is Mode.RESET:
             for conn in list(self._conns):
                 self.faulted += 1
                 conn.close(rst=True)
+        # wait_for_fault() waits for traffic that meets the outage, not for the resets above
+        # (an idle pooled connection reset here may never be used again).
+        self._faults_before_outage = self.faulted
         self._cond.notify_all()
 
     def _current(self) -> Mode:
