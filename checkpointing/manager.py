@@ -36,6 +36,7 @@ from checkpointing.errors import (
     CheckpointCommitError,
     CheckpointCorruptError,
     CheckpointError,
+    CheckpointFormatError,
     CheckpointNotFoundError,
 )
 from checkpointing.layout import (
@@ -506,12 +507,16 @@ class CheckpointManager:
         Raises:
             CheckpointNotFoundError: ``step`` has no committed checkpoint.
             CheckpointCorruptError: ``step`` was given and its checkpoint is damaged.
+            CheckpointFormatError: A commit record has a format version this code cannot read.
         """
         self.wait()
         choice: list[Any] = [None]
         if self._rank == 0:
             try:
                 choice = [self._choose(step)]
+            except CheckpointFormatError as exc:
+                # Not damage: a newer (or older) release wrote it, so do not fall back past it.
+                choice = [f"Format:{exc}"]
             except Exception as exc:
                 choice = [f"Error:{type(exc).__name__}: {exc}"]
         if self._distributed:
@@ -526,6 +531,8 @@ class CheckpointManager:
                 raise CheckpointNotFoundError(message)
             if kind == "Corrupt":
                 raise CheckpointCorruptError(message)
+            if kind == "Format":
+                raise CheckpointFormatError(message)
             raise CheckpointError(
                 f"Loading from ({self.storage.url}) failed ({message}); check the storage."
             )

@@ -13,6 +13,7 @@ from checkpointing.errors import (
     CheckpointCommitError,
     CheckpointCorruptError,
     CheckpointError,
+    CheckpointFormatError,
     CheckpointNotFoundError,
 )
 from tests.integration.checkpointing.conftest import (
@@ -184,6 +185,26 @@ def test_path_that_is_a_file_is_rejected_naming_it(tmp_path: Path) -> None:
 def test_unknown_url_scheme_is_rejected_naming_it() -> None:
     with pytest.raises(CheckpointError, match=r"^Checkpoint URL \(nosuch://b/p\) has a scheme"):
         CheckpointManager("nosuch://b/p")
+
+
+def test_checkpoint_of_another_format_version_is_refused_naming_it(tmp_path: Path) -> None:
+    with CheckpointManager(str(tmp_path)) as mgr:
+        mgr.save(1, {"w": torch.ones(2)}).committed.result(60)
+    record = tmp_path / "step-0000000001_r0000" / "COMMIT.json"
+    doc = json.loads(record.read_bytes())
+    doc["format_version"] = 7
+    record.write_text(json.dumps(doc))
+    pattern = (
+        r"^Commit record \(" + re.escape(str(record)) + r"\) has format version \(7\) but this "
+        r"code reads version \(1\); load it with a matching elastic-run release\.$"
+    )
+    with CheckpointManager(str(tmp_path)) as mgr:
+        with pytest.raises(CheckpointFormatError, match=pattern):
+            mgr.load({"w": torch.zeros(2)})
+        with pytest.raises(CheckpointFormatError, match=pattern):
+            mgr.load({"w": torch.zeros(2)}, step=1)
+        with pytest.raises(CheckpointFormatError, match=pattern):
+            mgr.latest()
 
 
 def test_bad_async_mode_is_rejected_naming_it(tmp_path: Path) -> None:

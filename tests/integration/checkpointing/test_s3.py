@@ -116,3 +116,11 @@ def test_missing_credentials_are_reported_naming_the_url(
     pattern = r"^Storage credentials for \(" + re.escape("s3://b1/p") + r"\) are missing"
     with pytest.raises(CheckpointError, match=pattern):
         CheckpointManager("s3://b1/p", storage_options=opts)
+
+
+def test_prefix_that_is_an_object_is_rejected_naming_it(endpoint: str, bucket: str) -> None:
+    s3fs.S3FileSystem(**_options(endpoint)).pipe_file(f"{bucket}/blob", b"x")
+    url = f"s3://{bucket}/blob"
+    pattern = r"^Checkpoint URL \(" + re.escape(url) + r"\) is a file"
+    with pytest.raises(CheckpointError, match=pattern):
+        CheckpointManager(url, storage_options=_options(endpoint))
