@@ -15,6 +15,7 @@ import logging
 import os
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -105,6 +106,7 @@ class ElasticContext:
     _timeouts_lowered: bool
     _closed: bool
     generation: int
+    inplace: Any
 
     def __init__(
         self,
@@ -121,6 +123,14 @@ class ElasticContext:
         self._timeouts_lowered = False
         self._closed = False
         self.generation = 0
+        #: The in-place controller (:mod:`elastic.inplace`) when the job runs in place.
+        self.inplace: Any = None
+
+    def _replace_world(self, world: World, groups: ProcessGroups, *, generation: int) -> None:
+        """Switches to a new world in this process (in-place reconfiguration only)."""
+        self._world = world
+        self._groups = groups
+        self.generation = generation
 
     @property
     def world(self) -> World:
@@ -184,6 +194,11 @@ class ElasticContext:
         if self._closed:
             return
         self._closed = True
+        if self.inplace is not None:
+            from elastic.inplace.groups import abort_groups
+
+            abort_groups()  # a broken group must not hang the interpreter's exit
+            return
         destroy_process_groups()
 
     def __repr__(self) -> str:
@@ -242,6 +257,13 @@ def init(
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
+    if os.environ.get(env.MODE) == "inplace":
+        from elastic.inplace.controller import init_inplace
+
+        ctx = init_inplace(chosen, device, init_timeout=init_timeout,
+                           train_timeout=train_timeout)
+        atexit.register(ctx.close)
+        return ctx
     groups = build_process_groups(
         chosen, rank=world.rank, world_size=world.world_size, device=device,
         init_timeout=init_timeout,

@@ -49,3 +49,16 @@ AZURE_METADATA_URL: Final = "ELASTIC_AZURE_METADATA_URL"
 
 EVENTS_DIR: Final = "ELASTIC_EVENTS_DIR"
 """Directory of the job event log (``--events-dir``), read by ``elastic-run goodput``."""
+
+MODE: Final = "ELASTIC_MODE"
+"""How membership changes are handled (``--elastic-mode``): ``inplace`` (survivors keep
+running and reconfigure, see :mod:`elastic.inplace`) or ``restart`` (every worker restarts)."""
+
+KEY_PREFIX: Final = "ELASTIC_KEY_PREFIX"
+"""elastic-run's etcd key prefix (``--rdzv-conf key_prefix``), passed to in-place workers."""
+
+INPLACE_TTL: Final = "ELASTIC_INPLACE_TTL"
+"""Seconds an in-place worker's member key outlives a lost node (``--inplace-ttl``)."""
+
+INPLACE_BUILD_TIMEOUT: Final = "ELASTIC_INPLACE_BUILD_TIMEOUT"
+"""Seconds building an in-place world's process groups waits for every member."""

@@ -215,6 +215,15 @@ class ElasticLoop:
         self._batches: Iterator[Any] | None = None
         self._loader: Iterable[Any] | None = None
         self._restored = False
+        # In-place reconfiguration (elastic.inplace): the controller, when the job runs so.
+        self._inplace: Any = getattr(ctx, "inplace", None)
+        #: Whether this process holds the job's state (restored, healed or trained a step).
+        self.has_state = False
+        #: Times this process read a checkpoint from storage (in place: only with no survivor).
+        self.storage_loads = 0
+        self._abandoned = False
+        self._batches_generation = ctx.generation if ctx is not None else 0
+        self._data_parallel: dict[int, tuple[int, torch.nn.Module, torch.nn.Module]] = {}
         # One writer per job is enough for the goodput report: the steps are collective.
         leader = ctx is None or ctx.rank == 0
         self._events = EventLog.from_env() if leader else EventLog(None, job="", source="worker")
@@ -264,7 +273,10 @@ class ElasticLoop:
                 f"world ({self.plan.micro_batch_size}); build the loader with "
                 "batch_size=loop.micro_batch_size."
             )
-        if self._batches is None or self._loader is not loader:
+        generation = self.ctx.generation if self.ctx is not None else 0
+        if (self._batches is None or self._loader is not loader
+                or self._batches_generation != generation):
+            self._batches_generation = generation
             self._loader = loader
             _shield_workers_from_sigterm(loader)
             self._batches = iter(loader)
@@ -285,12 +297,25 @@ class ElasticLoop:
     def restore(self) -> int:
         """Loads the newest committed checkpoint (or starts fresh); returns the next step.
 
+        In place (:mod:`elastic.inplace`), the world first agrees on the step and heals from a
+        survivor; storage is read only when no rank holds state.
+
         Raises:
             ConfigError: If the checkpoint does not fit this job's state or global batch.
         """
         self._restored = True
+        if self._inplace is not None:
+            self._inplace.restore(self)
+            return self.step
+        return self.restore_from_storage()
+
+    def restore_from_storage(self) -> int:
+        """Loads the newest committed checkpoint (or starts fresh); returns the next step."""
+        self._restored = True
+        self.has_state = True
         if self.checkpoint is None:
             return self.step
+        self.storage_loads += 1
         started = time.monotonic()
         from checkpointing.errors import CheckpointError
 
@@ -340,6 +365,74 @@ class ElasticLoop:
                 )
             self.sampler.load_state_dict(state["sampler"])
 
+    # -- in-place reconfiguration (see elastic.inplace) -------------------------------------
+
+    def heal_state(self) -> dict[str, Any]:
+        """Everything a survivor sends a rank that is behind (the checkpointed state)."""
+        return self._full_state()
+
+    def world_changed(self) -> None:
+        """Re-plans the batch and re-shards the sampler for the context's current world."""
+        self.has_state = True
+        world = self.ctx.world_size if self.ctx is not None else 1
+        rank = self.ctx.rank if self.ctx is not None else 0
+        self._round = self.ctx.round if self.ctx is not None else None
+        self.plan = plan_batches(self.global_batch_size,
+                                 self._requested_micro or self.global_batch_size, world)
+        if self.sampler is not None:
+            self.sampler.reshard(rank, world)
+        self._batches = None
+        if self.checkpoint is not None and self.ctx is not None:
+            _rebind_checkpoint_group(self.checkpoint, self.ctx.checkpoint_group)
+
+    @contextlib.contextmanager
+    def step_guard(self) -> Iterator[None]:
+        """Wrap each step's body: in place, a peer's death abandons the step instead of
+        failing the process (the loop reconfigures before the next step). Without in-place
+        reconfiguration it does nothing."""
+        if self._inplace is None:
+            yield
+            return
+        try:
+            yield
+        except Exception as exc:
+            from elastic.inplace.controller import is_peer_failure
+
+            if not is_peer_failure(exc):
+                raise
+            self._abandoned = True
+            self._batches = None
+            self._step_started = None
+            for entry in (*self._user_state.values(),
+                          *(m for _, m, _ in self._data_parallel.values())):
+                module = getattr(entry, "model", entry)
+                if isinstance(module, torch.nn.Module):
+                    module.zero_grad(set_to_none=True)  # the step's partial gradients
+            self._inplace.abandon(exc)
+
+    def data_parallel(self, model: torch.nn.Module, **kwargs: Any) -> torch.nn.Module:
+        """``DistributedDataParallel(model)`` on the current world, rebuilt when it changes.
+
+        Call it inside each step (it is cached per world). Without a process group it returns
+        ``model``. In place, every rank holds the same state after a heal, so DDP's initial
+        broadcast is skipped.
+        """
+        if self.ctx is None or not dist.is_initialized():
+            return model
+        from torch.nn.parallel import DistributedDataParallel
+
+        generation = self.ctx.generation
+        cached = self._data_parallel.get(id(model))
+        if cached is not None and cached[0] == generation:
+            return cached[2]
+        if self.ctx.device.type == "cuda":
+            kwargs.setdefault("device_ids", [self.ctx.device])
+        if self._inplace is not None:
+            kwargs.setdefault("init_sync", False)
+        wrapped = DistributedDataParallel(model, process_group=self.ctx.process_group, **kwargs)
+        self._data_parallel[id(model)] = (generation, model, wrapped)
+        return wrapped
+
     def __enter__(self) -> ElasticLoop:
         if self._install_signal_handler and threading.current_thread() is threading.main_thread():
             self._previous_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
@@ -362,6 +455,8 @@ class ElasticLoop:
             self._previous_handler = None
         if self.checkpoint is not None:
             self.checkpoint.close(wait=wait)
+        if self._inplace is not None:
+            self._inplace.finish(self.step, finished=self.finished)
 
     def _on_sigterm(self, signum: int, frame: FrameType | None) -> None:
         # Only a flag: the save needs every rank, so it happens at an agreed step boundary.
@@ -387,11 +482,16 @@ class ElasticLoop:
         """Yields the index of each step still to run; stops at ``max_steps`` or a drain."""
         if not self._restored:
             self.restore()
-        while self.step < self.max_steps and not self._drained:
+        while True:
+            if self._inplace is not None:
+                self._inplace.before_step(self)  # a pending reconfiguration and heal
+            if self.step >= self.max_steps or self._drained:
+                return
             started = self.step
             self._step_started = time.monotonic()
+            self._abandoned = False
             yield started
-            if self.step == started:
+            if self.step == started and not self._abandoned:
                 raise RuntimeError(
                     f"step ({started}) ended without loop.end_step(); call it after "
                     "optimizer.step()."
@@ -403,6 +503,7 @@ class ElasticLoop:
         if self.sampler is not None:
             self.sampler.advance(self.global_batch_size)
         self.step += 1
+        self.has_state = True
         if self._step_started is not None:
             self._events.record(
                 "step", round=self._round, step=self.step - 1,
@@ -426,6 +527,17 @@ class ElasticLoop:
 
     def _agree_on_drain(self) -> bool:
         flag = self._drain.is_set()
+        if self._inplace is not None:
+            # One all-reduce also agrees on a membership change, so that every rank
+            # reconfigures at the same step boundary.
+            changed = self._inplace.boundary_flag()
+            both = torch.tensor([1.0 if flag else 0.0, 1.0 if changed else 0.0],
+                                device=self.ctx.device if self.ctx is not None else None)
+            if self.ctx is not None and self.ctx.world_size > 1:
+                dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.ctx.process_group)
+            if both[1].item() > 0:
+                self._inplace.request("membership")
+            return bool(both[0].item() > 0)
         if self.ctx is None or self.ctx.world_size == 1:
             return flag
         tensor = torch.tensor([1.0 if flag else 0.0], device=self.ctx.device)
@@ -488,3 +600,17 @@ def _as_python_rng(value: Any) -> tuple[Any, ...]:
     if isinstance(value, list):
         return tuple(_as_python_rng(v) if isinstance(v, list) else v for v in value)
     return tuple(value)
+
+
+def _rebind_checkpoint_group(manager: Any, group: dist.ProcessGroup) -> None:
+    """Points a ``CheckpointManager`` at the new world's checkpoint group (in place only).
+
+    The manager keeps its group, rank and world size in private attributes set once at
+    construction; in place they change with every world. A save in flight on the old group
+    has failed or finished by now (its peers left that group). Pinned by a unit test.
+    """
+    if not hasattr(manager, "_pg"):
+        return
+    manager._pg = group
+    manager._rank = dist.get_rank(group)
+    manager._world = dist.get_world_size(group)

@@ -129,6 +129,11 @@ class MembershipRegistry:
         return f"MembershipRegistry(prefix={self._prefix!r}, round={self._round})"
 
     @property
+    def client(self) -> EtcdClient:
+        """The etcd client (the agent also uses it for in-place member keys)."""
+        return self._client
+
+    @property
     def round(self) -> int:
         """The round this node last registered for (-1 before the first)."""
         return self._round

@@ -28,6 +28,16 @@ and raise :class:`~launch.departure.PlannedDeparture`. On the other nodes a work
 a drained worker's exit 0) in a round where a peer announced its departure is a membership
 change: restarted at once, never charged.
 
+In-place mode (``inplace``, see :mod:`elastic.inplace`): the workers reconfigure themselves,
+so the agent never restarts a healthy worker. A local worker failure deletes this node's
+worker member keys at once (the survivors reconfigure within a monitor interval instead of a
+lease TTL) and restarts this node's workers *without* a new rendezvous round; they join the
+running job as newcomers and are healed by a survivor. The restart is charged as a crash, as
+in restart mode. Nodes waiting to join make the agent take part in the next round (so that
+they can start) without stopping its workers. torch's agent stops all of a node's workers
+when one fails, so with ``--nproc-per-node`` above 1 a worker crash restarts its node's
+workers (the other nodes keep training).
+
 Every transition is appended to the job event log (:mod:`elastic.eventlog`) when one is set.
 
 The shared-TCPStore restart hang (pytorch#135712) is avoided by the runner, which sets
@@ -43,6 +53,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from typing import Any, Final, NoReturn
 
@@ -57,6 +68,7 @@ from torch.distributed.elastic.multiprocessing import LogsSpecs
 from torch.distributed.elastic.rendezvous import RendezvousHandler
 
 from elastic import env
+from elastic.etcd import EtcdClient
 from elastic.eventlog import EventLog
 from launch.departure import (
     DEFAULT_DRAIN_TIMEOUT,
@@ -160,6 +172,23 @@ class MembershipView:
         return self._local_rounds - 1
 
 
+@dataclass(frozen=True, slots=True)
+class InPlaceOptions:
+    """What the agent needs to run its workers in place.
+
+    Attributes:
+        client: etcd client for deleting this node's worker member keys.
+        key_prefix: elastic-run's key prefix.
+        ttl: Lease TTL of the workers' member keys (how long a lost node goes unnoticed).
+        build_timeout: Seconds a new world's process groups wait for every member.
+    """
+
+    client: EtcdClient
+    key_prefix: str
+    ttl: int
+    build_timeout: float
+
+
 class NodeAgent(LocalElasticAgent):
     """A ``LocalElasticAgent`` whose restart budget is spent only on real worker crashes.
 
@@ -177,6 +206,7 @@ class NodeAgent(LocalElasticAgent):
         drain_timeout: on a preemption notice, the longest the workers get to stop and write a
             final checkpoint (shortened to fit the notice's deadline).
         leave_reserve: time kept before the notice's deadline to leave the rendezvous.
+        inplace: run the workers in place (``None``: restart mode).
     """
 
     def __init__(
@@ -193,6 +223,7 @@ class NodeAgent(LocalElasticAgent):
         events: EventLog | None = None,
         drain_timeout: timedelta = DEFAULT_DRAIN_TIMEOUT,
         leave_reserve: timedelta = DEFAULT_LEAVE_RESERVE,
+        inplace: InPlaceOptions | None = None,
     ) -> None:
         super().__init__(
             spec=spec,
@@ -217,6 +248,8 @@ class NodeAgent(LocalElasticAgent):
         self._next_reason = "start"
         self._reported_lost: set[Any] = set()
         self._reported_departing: set[Any] = set()
+        self._inplace = inplace
+        self._inplace_restarts = 0
 
     @property
     def membership_restarts(self) -> int:
@@ -282,6 +315,13 @@ class NodeAgent(LocalElasticAgent):
         if self._etcd_endpoints:
             os.environ[env.ETCD_ENDPOINTS] = self._etcd_endpoints
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+        if self._inplace is not None:
+            os.environ[env.MODE] = "inplace"
+            os.environ[env.KEY_PREFIX] = self._inplace.key_prefix
+            os.environ[env.INPLACE_TTL] = str(self._inplace.ttl)
+            os.environ[env.INPLACE_BUILD_TIMEOUT] = str(self._inplace.build_timeout)
+        else:
+            os.environ[env.MODE] = "restart"
         logger.info(
             "Starting workers for round %s (group rank %s of %s, restarts left %s).",
             round_, worker_group.group_rank, worker_group.group_world_size,
@@ -295,6 +335,8 @@ class NodeAgent(LocalElasticAgent):
             self._depart(worker_group)
         self._report_membership()
         result = self._held_failure or super()._monitor_workers(worker_group)
+        if self._inplace is not None and result.state in _FAILED_STATES:
+            self._drop_member_keys()
         departing = self._membership.departing_members()
         if result.state == WorkerState.SUCCEEDED and departing:
             # A peer's departure drained every rank; workers that return 0 when drained must
@@ -362,7 +404,49 @@ class NodeAgent(LocalElasticAgent):
             self._reported_lost |= lost
             self._events.record("node_lost", round=self._membership.round(), ranks=sorted(lost))
 
+    @property
+    def inplace_restarts(self) -> int:
+        """Local worker restarts done in place (without a rendezvous round)."""
+        return self._inplace_restarts
+
+    def _drop_member_keys(self) -> None:
+        """Deletes this node's worker member keys so the survivors reconfigure at once."""
+        assert self._inplace is not None
+        from elastic.inplace.quorum import node_member_prefix
+
+        prefix = node_member_prefix(self._inplace.key_prefix,
+                                    self._worker_group.spec.rdzv_handler.get_run_id(),
+                                    os.getpid())
+        try:
+            self._inplace.client.delete_prefix(prefix)
+        except Exception as exc:  # the keys' leases expire anyway, one TTL later
+            logger.warning("Could not delete the failed workers' member keys (%s).", exc)
+
+    def _restart_in_place(self, worker_group: WorkerGroup) -> None:
+        if worker_group.state in _FAILED_STATES:
+            # A local crash: restart this node's workers only, in the same round; they
+            # join the running world as newcomers and are healed by a survivor.
+            self._held_failure = None
+            self._drop_member_keys()
+            self._next_reason = "worker_failed"
+            self._stop_workers(worker_group)
+            worker_group.state = WorkerState.STOPPED
+            worker_ids = self._start_workers(worker_group)
+            for local_rank, worker_id in worker_ids.items():
+                worker_group.workers[local_rank].id = worker_id
+            worker_group.state = WorkerState.HEALTHY
+            self._inplace_restarts += 1
+            self._events.record("workers_restarted_in_place", round=self._membership.round())
+            return
+        # Nodes are waiting (or were lost): take part in the next round so that joiners can
+        # start; the workers here keep training and admit them at a step boundary.
+        self._rendezvous(worker_group)
+        self._membership_restarts += 1
+
     def _restart_workers(self, worker_group: WorkerGroup) -> None:
+        if self._inplace is not None:
+            self._restart_in_place(worker_group)
+            return
         charged = worker_group.state in _FAILED_STATES
         self._held_failure = None
         old_world = worker_group.group_world_size

@@ -13,7 +13,10 @@ torch's own ``get_args_parser()``, extended), plus:
   ``--help``;
 * ``--preemption-watch`` (and the metadata URL and drain flags): leave the job on a spot
   preemption notice (see :mod:`launch.departure`);
-* ``--events-dir DIR`` (or ``ELASTIC_EVENTS_DIR``): the job event log (:mod:`elastic.eventlog`).
+* ``--events-dir DIR`` (or ``ELASTIC_EVENTS_DIR``): the job event log (:mod:`elastic.eventlog`);
+* ``--elastic-mode inplace|restart`` (or ``ELASTIC_MODE``), ``--inplace-ttl``,
+  ``--inplace-build-timeout``: survivors reconfigure in place (:mod:`elastic.inplace`) or every
+  worker restarts on a membership change.
 
 The rendezvous backend defaults to ``elastic-etcd-v3``. Two more forms:
 
@@ -119,6 +122,24 @@ def build_parser() -> argparse.ArgumentParser:
         "lost node (which makes it a membership change, not a failure) (default 10).",
     )
     _add_preemption_flags(group)
+    group.add_argument(
+        "--elastic-mode", dest="elastic_mode", type=str,
+        default=os.environ.get(env.MODE) or "restart",
+        help=f"How membership changes are handled (env {env.MODE}): 'inplace' (surviving "
+        "workers keep running, rebuild their process groups and heal newcomers from memory; "
+        "data-parallel scripts using ElasticLoop.step_guard) or 'restart' (default: every "
+        "worker restarts from the last checkpoint).",
+    )
+    group.add_argument(
+        "--inplace-ttl", dest="inplace_ttl", type=int, default=3,
+        help="In-place mode: lease TTL in seconds of each worker's member key, i.e. how long "
+        "a lost node goes unnoticed (default 3; a crashed worker is noticed at once).",
+    )
+    group.add_argument(
+        "--inplace-build-timeout", dest="inplace_build_timeout", type=float, default=10.0,
+        help="In-place mode: seconds a new world's process groups wait for every member "
+        "before the next world is proposed (default 10).",
+    )
     return parser
 
 
@@ -251,7 +272,14 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         raise ConfigError(f"--max-restarts ({args.max_restarts}) must be at least 0.")
     if args.monitor_interval <= 0:
         raise ConfigError(f"--monitor-interval ({args.monitor_interval}) must be positive.")
-    for name in ("etcd_connect_timeout", "exit_barrier_timeout", "failure_settle_timeout",
+    if args.elastic_mode not in ("inplace", "restart"):
+        raise ConfigError(
+            f"--elastic-mode ({args.elastic_mode!r}) must be 'inplace' or 'restart'."
+        )
+    if args.inplace_ttl < 1:
+        raise ConfigError(f"--inplace-ttl ({args.inplace_ttl}) must be at least 1 second.")
+    for name in ("inplace_build_timeout", "etcd_connect_timeout", "exit_barrier_timeout",
+                 "failure_settle_timeout",
                  "preemption_drain_timeout", "sigterm_grace_period"):
         if getattr(args, name) is not None and getattr(args, name) <= 0:
             flag = "--" + name.replace("_", "-")

@@ -99,6 +99,30 @@ def _without_sigterm(signals: str) -> str:
     return ",".join(s for s in signals.split(",") if s.strip().upper() != "SIGTERM")
 
 
+def _inplace_options(
+    args: argparse.Namespace, handler: Any, rdzv_configs: dict[str, Any], had_password: bool
+) -> Any:
+    """The agent's in-place options, or ``None`` where in-place mode cannot work (restart)."""
+    if args.elastic_mode != "inplace":
+        return None
+    from launch.agent import InPlaceOptions
+
+    registry = getattr(handler, "registry", None)
+    if registry is None:
+        logger.warning("--elastic-mode inplace needs the elastic-etcd-v3 rendezvous (got %s); "
+                       "using restart mode.", args.rdzv_backend)
+        return None
+    if had_password:
+        # The workers would need the password to reach etcd, and it is kept from them.
+        logger.warning("--elastic-mode inplace is not used with etcd password authentication "
+                       "(workers do not get the password); using restart mode.")
+        return None
+    return InPlaceOptions(
+        client=registry.client, key_prefix=str(rdzv_configs.get("key_prefix", "/elastic")),
+        ttl=int(args.inplace_ttl), build_timeout=float(args.inplace_build_timeout),
+    )
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the node agent described by validated ``args``; return the process exit code."""
     from torch.distributed.elastic import events as torch_events
@@ -158,7 +182,8 @@ def run(args: argparse.Namespace) -> int:
     except (RendezvousError, ValueError, RuntimeError) as exc:
         return _fail(f"could not set up the rendezvous ({exc})", EXIT_RENDEZVOUS)
 
-    if os.environ.pop(env.ETCD_PASSWORD, None) is not None:
+    had_password = os.environ.pop(env.ETCD_PASSWORD, None) is not None
+    if had_password:
         # The handler's client holds the password now; torch copies this environment into
         # every worker, and training code has no use for it (nor should a crash dump show it).
         logger.info("%s is not passed on to the workers.", env.ETCD_PASSWORD)
@@ -169,6 +194,7 @@ def run(args: argparse.Namespace) -> int:
             "may hang (pytorch#135712).", config.rdzv_backend,
         )
 
+    inplace = _inplace_options(args, handler, config.rdzv_configs, had_password)
     spec = WorkerSpec(
         role=config.role,
         local_world_size=config.nproc_per_node,
@@ -195,6 +221,7 @@ def run(args: argparse.Namespace) -> int:
         etcd_endpoints=config.rdzv_endpoint if is_etcd else None,
         events=events,
         drain_timeout=timedelta(seconds=args.preemption_drain_timeout),
+        inplace=inplace,
     )
     events.record(
         "agent_started", min_nodes=config.min_nodes, max_nodes=config.max_nodes,

@@ -1,0 +1,128 @@
+"""Training worker for the in-place tests: the float64 MLP of ``worker.py``, in place.
+
+Each process appends JSON lines to ``<audit-dir>/pid<PID>.jsonl``:
+
+* ``{"kind": "gen", "gen", "rank", "world", "pid", "step", "storage_loads", "received",
+  "source"}`` whenever it starts training in a new world (after the heal);
+* ``{"kind": "batch", "gen", "step", "rank", "ids"}`` for each micro-batch, *before* its
+  backward pass, so that a step some rank completed has every rank's ids logged;
+* ``{"kind": "done", "gen", "step", "rank", "world"}`` after ``optimizer.step()``.
+
+``--step-time S`` sleeps at the start of every step (kills from outside land mid-step).
+``--gate-file PATH`` holds step ``s`` until the file holds a number above ``s``, or until a
+worker waits to be admitted (it is admitted at the end of the released step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import faulthandler
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+import elastic
+from checkpointing import CheckpointManager, ModelOptimizerState
+from tests.integration.training.worker import Synthetic
+
+_GATE_POLL_S = 0.02
+
+
+def _hold(gate_file: str, step: int, release: Callable[[], bool]) -> None:
+    """Waits until the gate allows ``step``, or ``release()`` (a joiner waits to be admitted at
+    the next step boundary, which a held step would never reach)."""
+    while gate_file and not release():
+        try:
+            if step < int(Path(gate_file).read_text()):
+                return
+        except (FileNotFoundError, ValueError):
+            return
+        time.sleep(_GATE_POLL_S)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--checkpoint-dir", required=True)
+    parser.add_argument("--audit-dir", required=True)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--interval", type=int, default=5)
+    parser.add_argument("--global-batch", type=int, default=12)
+    parser.add_argument("--micro-batch", type=int, default=3)
+    parser.add_argument("--dataset-size", type=int, default=100)
+    parser.add_argument("--weights-out", default="")
+    parser.add_argument("--step-time", type=float, default=0.0)
+    parser.add_argument("--gate-file", default="")
+    args = parser.parse_args()
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # debugging a hang: kill -USR1
+    logging.basicConfig(level=os.environ.get("LOGLEVEL", "INFO").upper(),
+                        format="[%(asctime)s] %(levelname)s %(name)s[%(process)d]: %(message)s")
+
+    ctx = elastic.init()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1)).double()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=7, gamma=0.5)
+    dataset = Synthetic(args.dataset_size)
+    sampler = elastic.ElasticSampler(len(dataset), seed=11, shuffle=True)
+    checkpoint = CheckpointManager(args.checkpoint_dir, process_group=ctx.checkpoint_group,
+                                   round=ctx.round)
+    audit_path = Path(args.audit_dir) / f"pid{os.getpid()}.jsonl"
+    audit_path.parent.mkdir(parents=True, exist_ok=True)
+    with audit_path.open("a") as audit, elastic.ElasticLoop(
+        ctx, state={"train": ModelOptimizerState(model, optimizer), "scheduler": scheduler},
+        checkpoint=checkpoint, sampler=sampler, max_steps=args.steps,
+        checkpoint_interval=args.interval, global_batch_size=args.global_batch,
+        micro_batch_size=args.micro_batch,
+    ) as loop:
+
+        def log(**record: object) -> None:
+            audit.write(json.dumps(record) + "\n")
+            audit.flush()
+
+        logged_gen = -1
+        loader: DataLoader[object] | None = None
+        for step in loop:
+            if ctx.generation != logged_gen:
+                logged_gen = ctx.generation
+                heal = ctx.inplace.last_heal if ctx.inplace is not None else None
+                log(kind="gen", gen=ctx.generation, rank=ctx.rank, world=ctx.world_size,
+                    pid=os.getpid(), step=step, storage_loads=loop.storage_loads,
+                    received=bool(heal and heal.received),
+                    source=heal.source if heal else -1)
+            with loop.step_guard():
+                _hold(args.gate_file, step, lambda: ctx.inplace is not None
+                      and ctx.inplace.boundary_flag())
+                time.sleep(args.step_time)
+                if loader is None or loader.batch_size != loop.micro_batch_size:
+                    loader = DataLoader(dataset, batch_size=loop.micro_batch_size,
+                                        sampler=sampler)
+                ddp = loop.data_parallel(model)
+                for x, y, index in loop.micro_batches(loader, ddp):
+                    log(kind="batch", gen=ctx.generation, step=step, rank=ctx.rank,
+                        ids=index.tolist())
+                    loss = nn.functional.mse_loss(ddp(x), y)
+                    loop.scale_loss(loss).backward()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                scheduler.step()
+                log(kind="done", gen=ctx.generation, step=step, rank=ctx.rank,
+                    world=ctx.world_size)
+                loop.end_step()
+        print(f"[inplace-worker] pid={os.getpid()} rank={ctx.rank} stopped at step "
+              f"{loop.step}", flush=True)
+        if loop.finished and ctx.is_leader and args.weights_out:
+            torch.save(model.state_dict(), args.weights_out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
