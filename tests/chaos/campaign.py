@@ -53,7 +53,9 @@ def run_campaign(env: ChaosEnv, *, seed: int, faults: int, per_run: int = 5, nod
     for index, scenario in enumerate(runs):
         if only is not None and index != only:
             continue
-        timeout = 30.0 + 15.0 * len(scenario)
+        # A slow run is not a hang: the hang criterion is no step for stall_timeout seconds
+        # (a loaded 2-core machine takes tens of seconds per recovery); the total is a cap.
+        timeout = 120.0 + 60.0 * len(scenario)
         result = ChaosRun(env, scenario, nodes=nodes, shape=shape, timeout=timeout,
                           name=f"seed{seed}-run{index}").execute()
         error = ""

@@ -236,7 +236,7 @@ class RunResult:
     checkpoint_url: str
     storage_options: dict[str, Any]
     injected: list[Injected]
-    exit_codes: dict[str, int | None]  # agent log name -> exit code (None: killed by a fault)
+    exit_codes: dict[str, int | str]  # agent log -> exit code, "killed" (a fault), "running"
     spawned: dict[int, int]  # pid -> start time (/proc stat field 22)
     wall_s: float
     hung: str | None = None
@@ -259,7 +259,8 @@ class RunResult:
         assert all(i.at is not None for i in self.injected), (
             context + "; ".join(f"{i.fault.describe()}: {i.note}" for i in self.injected
                                 if i.at is None))
-        bad = {name: code for name, code in self.exit_codes.items() if code not in (0, None)}
+        bad = {name: code for name, code in self.exit_codes.items()
+               if code not in (0, "killed")}
         assert not bad, f"{context}agents exited non-zero: {bad}\n{self.logs}"
         assert any(code == 0 for code in self.exit_codes.values()), self.logs
         self.checks["exit"] = "ok"
@@ -373,6 +374,8 @@ class ChaosRun:
         shape: The training job.
         step_time: Seconds each step sleeps (so that faults land mid-training).
         timeout: Seconds the whole run may take before it counts as hung.
+        stall_timeout: Seconds without any new audit line (no step trained, no round
+            started) before the run counts as hung, however much of ``timeout`` is left.
         s3: Checkpoint to S3 (implied by a ``storage_outage`` fault).
         loader_workers: DataLoader worker processes per rank.
         name: Directory name of the run under ``env.root``.
@@ -380,8 +383,8 @@ class ChaosRun:
 
     def __init__(self, env: ChaosEnv, faults: Sequence[Fault], *, nodes: int = 2,
                  shape: JobShape | None = None, step_time: float = 0.05,
-                 timeout: float = 55.0, s3: bool = False, loader_workers: int = 0,
-                 name: str | None = None) -> None:
+                 timeout: float = 55.0, stall_timeout: float = 75.0, s3: bool = False,
+                 loader_workers: int = 0, name: str | None = None) -> None:
         if nodes < 1:
             raise ValueError(f"nodes ({nodes}) must be at least 1.")
         for fault in faults:
@@ -395,6 +398,9 @@ class ChaosRun:
         self.shape = shape or JobShape()
         self.step_time = step_time
         self.timeout = timeout
+        self.stall_timeout = stall_timeout
+        self._last_size = -1
+        self._last_progress = time.monotonic()
         self.s3 = s3 or any(f.kind == "storage_outage" for f in faults)
         self.loader_workers = loader_workers
         self.job_id = f"chaos-{uuid.uuid4().hex[:8]}"
@@ -561,12 +567,13 @@ class ChaosRun:
                 thread.join(timeout=30)
             self._track()
             wall = time.monotonic() - started
-            codes: dict[str, int | None] = {}
+            codes: dict[str, int | str] = {}
             for node in nodes:
                 for agent in node.killed:
-                    codes[agent.log.name] = None
+                    codes[agent.log.name] = "killed"
                 if node.agent is not None:
-                    codes[node.agent.log.name] = node.agent.proc.poll()
+                    code = node.agent.proc.poll()
+                    codes[node.agent.log.name] = "running" if code is None else code
             logs = "\n".join(f"--- {a.log.name}\n{a.output()[-2500:]}" for a in self._agents)
         return RunResult(
             root=self.root, shape=self.shape, reference=self.env.reference(self.shape),
@@ -577,8 +584,14 @@ class ChaosRun:
 
     def _deadline_check(self, started: float, what: str) -> None:
         self._track()
-        if time.monotonic() - started > self.timeout:
+        now = time.monotonic()
+        size = sum(p.stat().st_size for p in (self.root / "audit").glob("*.jsonl"))
+        if size != self._last_size:
+            self._last_size, self._last_progress = size, now
+        if now - started > self.timeout:
             raise TimeoutError(f"{what} after {self.timeout:.0f} s")
+        if now - self._last_progress > self.stall_timeout:
+            raise TimeoutError(f"{what}: no step trained for {self.stall_timeout:.0f} s")
 
     def _drive(self, nodes: list[_Node], injected: list[Injected],
                s3_proxy: FaultProxy | None, started: float) -> None:
