@@ -101,7 +101,9 @@ class _Stream:
         """The next ``result`` message; ``None`` when the stream ended or sat idle too long."""
         try:
             line = next(self._lines, None)
-        except (requests.RequestException, OSError, ValueError):
+        except (requests.RequestException, OSError, ValueError, AttributeError):
+            # AttributeError: cancel() closed the response while this thread was inside
+            # urllib3's chunked read, which then finds its file object gone (``fp`` is None).
             return None
         if not line:
             return None
