@@ -19,7 +19,9 @@ fields (fields may be added, never renamed):
 =====================  ==========================================================================
 event                  fields
 =====================  ==========================================================================
-agent_started          min_nodes, max_nodes, nproc_per_node, max_restarts, preemption_watch
+agent_started          min_nodes, max_nodes, nproc_per_node, max_restarts, preemption_watch,
+                       launched_at (wall-clock start of the agent's process, or null: the
+                       report's wall time counts from there, interpreter start-up included)
 round_started          group_rank, world (nodes), reason: start, worker_failed, node_lost,
                        planned_departure or node_joined
 worker_failed          exit_codes ({global rank: code}), cause: crash, node_lost or
@@ -138,6 +140,21 @@ class EventLog:
                 self._failed = True
                 logger.warning("Cannot write the event log %s (%s); events are off for this "
                                "process.", self.path, exc)
+
+
+def process_started_at(pid: int | None = None) -> float | None:
+    """Wall-clock time (epoch seconds) at which ``pid`` (default: this process) started.
+
+    From ``/proc`` (Linux); ``None`` where that cannot be read.
+    """
+    try:
+        with open(f"/proc/{pid or os.getpid()}/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/stat") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith("btime "))
+        return round_time(boot + ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
 
 
 def round_time(value: float) -> float:

@@ -224,9 +224,9 @@ class ElasticLoop:
         self._abandoned = False
         self._batches_generation = ctx.generation if ctx is not None else 0
         self._data_parallel: dict[int, tuple[int, torch.nn.Module, torch.nn.Module]] = {}
-        # One writer per job is enough for the goodput report: the steps are collective.
-        leader = ctx is None or ctx.rank == 0
-        self._events = EventLog.from_env() if leader else EventLog(None, job="", source="worker")
+        # One writer per job is enough for the goodput report (the steps are collective):
+        # whoever is global rank 0 now (in place, rank 0 may change with the world).
+        self._events = EventLog.from_env()
         self._round = ctx.round if ctx is not None else None
         self._step_started: float | None = None
 
@@ -333,7 +333,7 @@ class ElasticLoop:
                 f"job's model or state ({reason[:200]}); point the checkpoint URL at a new "
                 "directory or restore the code that wrote it."
             ) from exc
-        self._events.record("restored", round=self._round, step=self.step,
+        self._record("restored", round=self._round, step=self.step,
                             found=info is not None,
                             duration_s=round(time.monotonic() - started, 4))
         if info is None:
@@ -505,7 +505,7 @@ class ElasticLoop:
         self.step += 1
         self.has_state = True
         if self._step_started is not None:
-            self._events.record(
+            self._record(
                 "step", round=self._round, step=self.step - 1,
                 duration_s=round(time.monotonic() - self._step_started, 4),
                 world=self.ctx.world_size if self.ctx is not None else 1,
@@ -524,6 +524,11 @@ class ElasticLoop:
         elif self.step % self.checkpoint_interval == 0:
             self._save(final=False)
         self._await_overdue_commit()  # this step's save, when max_commit_lag is 0
+
+    def _record(self, event: str, **fields: Any) -> None:
+        """Appends an event to the job's event log if this process is global rank 0 now."""
+        if self.ctx is None or self.ctx.rank == 0:
+            self._events.record(event, **fields)
 
     def _agree_on_drain(self) -> bool:
         flag = self._drain.is_set()
@@ -562,7 +567,7 @@ class ElasticLoop:
                 "waited %.2fs at step %d for the checkpoint of step %d to commit",
                 waited, self.step, handle.step,
             )
-            self._events.record("checkpoint", round=self._round, step=handle.step,
+            self._record("checkpoint", round=self._round, step=handle.step,
                                 blocked_s=round(waited, 4), final=False, wait="commit")
         error = handle.committed.exception()
         if error is not None:
@@ -591,7 +596,7 @@ class ElasticLoop:
                 )
             else:
                 logger.warning("final checkpoint at step %d did not commit in time", self.step)
-        self._events.record("checkpoint", round=self._round, step=self.step,
+        self._record("checkpoint", round=self._round, step=self.step,
                             blocked_s=round(time.monotonic() - started, 4), final=final)
 
 

@@ -3,7 +3,8 @@
 ``elastic-run goodput EVENTS_DIR [--job ID] [--json] [--plot OUT.png]`` (or
 ``python -m launch.goodput``) prints, per job found in the directory:
 
-* wall time: the first agent's start to the last agent's exit;
+* wall time: the first agent's start (its process start, where logged) to the last agent's
+  exit;
 * productive time: the compute time of every step that counts (the last execution of each
   step index); executions of a step index that was later redone (after a rollback to a
   checkpoint) are *recomputed* time instead; goodput is productive time over wall time;
@@ -211,7 +212,10 @@ def _departures(events: list[dict[str, Any]], t0: float) -> list[Departure]:
 def build_report(job: str, events: list[dict[str, Any]]) -> Report:
     """Compute the report of one job from its events (in time order)."""
     agent = [e for e in events if e.get("source") == "agent"] or events
-    t0 = min(e["time"] for e in (_of(agent, "agent_started") or agent))
+    # From the first agent's process start where it was logged: the stopwatch of a person
+    # who launched the job counts the interpreter's start-up too.
+    t0 = min(min(e["time"], e.get("launched_at") or e["time"])
+             for e in (_of(agent, "agent_started") or agent))
     exits = _of(agent, "agent_exited")
     t1 = max(e["time"] for e in (exits or events))
     steps = _of(events, "step")

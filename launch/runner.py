@@ -17,7 +17,7 @@ from typing import Any, Final
 
 from elastic import env
 from elastic.errors import EtcdUnavailableError
-from elastic.eventlog import EventLog
+from elastic.eventlog import EventLog, process_started_at
 from launch.cli import (
     ETCD_BACKENDS,
     EXIT_OK,
@@ -227,6 +227,7 @@ def run(args: argparse.Namespace) -> int:
         "agent_started", min_nodes=config.min_nodes, max_nodes=config.max_nodes,
         nproc_per_node=config.nproc_per_node, max_restarts=config.max_restarts,
         preemption_watch=[w.source for w in watchers],
+        launched_at=process_started_at(),
     )
     monitor = PreemptionMonitor(watchers)
     monitor.start(agent.request_departure)  # main thread: the SIGTERM watcher needs it

@@ -82,3 +82,28 @@ def test_plotting_a_directory_of_several_jobs_needs_a_job_id(
     assert "pass --job ID" in capsys.readouterr().err
     assert goodput.main([str(events_dir), "--job", "exp", "--plot",
                          str(tmp_path / "x.png")]) == 0
+
+
+def test_wall_time_counts_from_the_agent_process_start_where_logged(
+    events_dir: Path,  # noqa: F811
+) -> None:
+    path = events_dir / "a.jsonl"
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    first = next(e for e in lines if e["event"] == "agent_started")
+    first["launched_at"] = first["time"] - 4.0  # python and torch imported for 4 s
+    path.write_text("\n".join(json.dumps(e) for e in lines) + "\n")
+    report = _report(events_dir)
+    assert report.wall_s == pytest.approx(64.0)
+    assert sum(report.breakdown.values()) == pytest.approx(64.0)
+
+
+def test_a_process_start_time_is_read_from_proc() -> None:
+    import os
+    import time
+
+    from elastic.eventlog import process_started_at
+
+    started = process_started_at()
+    assert started is not None and 0 <= time.time() - started < 3600
+    assert process_started_at(os.getpid()) == started
+    assert process_started_at(2**22 + 12345) is None  # no such process
