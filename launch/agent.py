@@ -440,7 +440,13 @@ class NodeAgent(LocalElasticAgent):
             return
         # Nodes are waiting (or were lost): take part in the next round so that joiners can
         # start; the workers here keep training and admit them at a step boundary.
+        # torch's rendezvous rebuilds the Worker objects without their process ids, and its
+        # monitor reports UNKNOWN when the ids no longer match the running processes.
+        running_ids = [worker.id for worker in worker_group.workers]
         self._rendezvous(worker_group)
+        for worker, worker_id in zip(worker_group.workers, running_ids, strict=False):
+            worker.id = worker_id
+        worker_group.state = WorkerState.HEALTHY
         self._membership_restarts += 1
 
     def _restart_workers(self, worker_group: WorkerGroup) -> None:

@@ -1,0 +1,48 @@
+"""Unit tests of the in-place pieces that need no etcd: admission, failure classification,
+the CheckpointManager attributes the loop rebinds, and the heal payload round trip."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from checkpointing import CheckpointManager
+from elastic.inplace.controller import admissible, is_peer_failure
+from elastic.inplace.heal import dump_state, load_state
+
+
+def test_admissible_keeps_the_oldest_members_that_divide_the_global_batch() -> None:
+    live = ("a", "b", "c", "d", "e")
+    assert admissible(live, 12) == ("a", "b", "c", "d")
+    assert admissible(live, 10) == live
+    assert admissible(live, 7) == ("a",)
+    assert admissible(live, None) == live
+
+
+def test_gloo_peer_errors_are_peer_failures_and_user_errors_are_not() -> None:
+    gloo = RuntimeError("[gloo/transport/tcp/pair.cc:537] Read error: Connection reset by peer")
+    assert is_peer_failure(gloo)
+    assert not is_peer_failure(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
+    assert not is_peer_failure(ValueError("connection reset"))
+
+
+def test_checkpoint_manager_keeps_the_attributes_the_loop_rebinds(tmp_path: object) -> None:
+    manager = CheckpointManager(str(tmp_path))
+    try:
+        for name in ("_pg", "_rank", "_world"):
+            assert hasattr(manager, name), name
+    finally:
+        manager.close()
+
+
+def test_heal_payload_round_trips_model_optimizer_and_plain_state() -> None:
+    torch.manual_seed(0)
+    source = nn.Linear(3, 2).double()
+    target = nn.Linear(3, 2).double()
+    counter = {"n": 4}
+    payload = dump_state({"model": source, "counter": counter})
+    fresh: dict[str, int] = {}
+    load_state({"model": target, "counter": fresh}, payload)
+    assert fresh == counter
+    for a, b in zip(source.parameters(), target.parameters(), strict=True):
+        assert torch.equal(a, b)
