@@ -77,3 +77,26 @@ def test_an_unreachable_etcd_surfaces_as_etcd_unavailable(fake: FakeEtcd) -> Non
     fake.down = True
     with pytest.raises(EtcdUnavailableError, match=r"fake-etcd:2379"):
         backend.get_state()
+
+
+def test_torchs_event_names_come_from_the_cheap_frame_walk_with_the_same_answer() -> None:
+    import inspect
+
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+
+    from elastic import _rdzv_backend
+
+    def torchs_own(depth: int = 2) -> str:  # torch 2.13's get_method_name, verbatim
+        if len(inspect.stack()) > depth:
+            return inspect.stack()[depth].function
+        return "no_method_name"
+
+    def record(how: object) -> str:  # shaped like torch's _record(): the name of its caller
+        return how()  # type: ignore[operator, no-any-return]
+
+    def keep_alive(how: object) -> str:
+        return record(how)
+
+    assert dynamic_rendezvous.get_method_name is _rdzv_backend.frame_function_name
+    assert keep_alive(_rdzv_backend.frame_function_name) == keep_alive(torchs_own) == "keep_alive"
+    assert _rdzv_backend.frame_function_name(10_000) == "no_method_name"
