@@ -248,6 +248,22 @@ def report(rounds: list[RoundResult], backends: list[str], nodes: list[int]) -> 
     return "\n".join(lines)
 
 
+def etcd_write_floor(endpoint: str, value_bytes: int = 4096, writes: int = 200) -> float:
+    """Sequential puts per second of a state-sized value on this etcd: the ceiling on CAS
+    writes per second that every agent's joins and keep-alives share (one Raft commit and one
+    fsync each)."""
+    from elastic.etcd import EtcdClient, EtcdConfig
+
+    client = EtcdClient(EtcdConfig(endpoints=(endpoint,)))
+    value = os.urandom(value_bytes)
+    start = time.perf_counter()
+    for i in range(writes):
+        client.put(f"/floor/{i % 8}", value)
+    rate = writes / (time.perf_counter() - start)
+    client.close()
+    return rate
+
+
 def main(argv: list[str] | None = None) -> int:
     """Runs the benchmark; prints the table (and writes ``--json`` if given)."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
@@ -275,6 +291,10 @@ def main(argv: list[str] | None = None) -> int:
         try:
             for seq in range(args.repeats):
                 for n in nodes:
+                    if "etcd-v3" in backends:
+                        floor = etcd_write_floor(etcd.endpoint)
+                        print(f"etcd write floor: {floor:.0f} puts/s of 4 KiB; torch's keep-alives "
+                              f"alone need {n / 5:.1f}/s at N={n}", flush=True)
                     for b in backends:
                         endpoint = etcd.endpoint if b == "etcd-v3" else f"127.0.0.1:{port}"
                         r = one_round(b, n, args.processes, endpoint, store, seq)

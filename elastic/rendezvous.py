@@ -95,6 +95,26 @@ def _number(params: RendezvousParameters, key: str, *, allow_zero: bool = False)
     return value
 
 
+HEARTBEAT_WRITES_PER_S: Final = 32
+"""Heartbeat writes per second a job may put on the one state key by default (see below)."""
+
+
+def keep_alive_interval(params: RendezvousParameters) -> int:
+    """The heartbeat period: ``--rdzv-conf keep_alive_interval``, else scaled with max nodes.
+
+    Every torch heartbeat rewrites the whole rendezvous state (one Raft commit and fsync), so
+    N nodes beating every second ask N writes per second of etcd, on top of their joins; on a
+    slow disk that starves the round (rendezvous_scale.py: 128 agents never completed at
+    1 s). By default the period grows so that the whole job stays near
+    ``HEARTBEAT_WRITES_PER_S``: 1 s up to 32 nodes, 4 s at 128. Lost nodes are still noticed
+    within ``member_ttl`` through their member leases; the period only bounds how long a node
+    that dies while a round is forming stays in it.
+    """
+    if "keep_alive_interval" in params.config:
+        return max(1, round(_number(params, "keep_alive_interval")))
+    return max(1, -(-params.max_nodes // HEARTBEAT_WRITES_PER_S))
+
+
 def _warn_unknown_keys(params: RendezvousParameters) -> None:
     unknown = sorted(set(params.config) - set(DEFAULTS) - _STRING_KEYS - _TORCH_KEYS)
     if unknown:
@@ -137,9 +157,9 @@ def create_rdzv_handler(params: RendezvousParameters) -> RendezvousHandler:
     """Creates torch's dynamic rendezvous handler over etcd, with lease-based membership.
 
     The defaults suit spot clusters of up to a few dozen nodes: a lost node is noticed within
-    about ``member_ttl`` and a new round forms a few seconds later. For hundreds of nodes
-    raise ``keep_alive_interval`` (every heartbeat rewrites the one state key; see
-    ``benchmarks/rendezvous_scale.py``).
+    about ``member_ttl`` and a new round forms a few seconds later. The heartbeat period grows
+    with ``max_nodes`` (every heartbeat rewrites the one state key; see
+    :func:`keep_alive_interval` and ``benchmarks/rendezvous_scale.py``).
 
     ``--rdzv-conf`` keys (times in seconds):
 
@@ -150,7 +170,8 @@ def create_rdzv_handler(params: RendezvousParameters) -> RendezvousHandler:
     last_call_timeout       2         wait for more nodes once ``min_nodes`` are present
     close_timeout           10        time to close the rendezvous on shutdown
     heartbeat_timeout       5         time one heartbeat write may take
-    keep_alive_interval     1         heartbeat period (whole seconds, at least 1)
+    keep_alive_interval     1 (*)     heartbeat period (whole seconds, at least 1);
+                                      (*) max_nodes / 32 rounded up when not given
     keep_alive_max_attempt  3         missed heartbeats before torch drops a node
     member_ttl              3         lease TTL of a node's member key: the others see a
                                       dead node within about this long (whole seconds)
@@ -226,7 +247,7 @@ def create_rdzv_handler(params: RendezvousParameters) -> RendezvousHandler:
             close=timedelta(seconds=_number(params, "close_timeout")),
             heartbeat=timedelta(seconds=_number(params, "heartbeat_timeout")),
         ),
-        keep_alive_interval=max(1, round(_number(params, "keep_alive_interval"))),
+        keep_alive_interval=keep_alive_interval(params),
         keep_alive_max_attempt=max(1, round(_number(params, "keep_alive_max_attempt"))),
     )
     return ElasticRendezvousHandler(inner, registry, backend=backend)

@@ -125,3 +125,18 @@ def test_torchs_registry_knows_both_backend_names() -> None:
 
     names = set(registry.handler_registry._registry)  # type: ignore[attr-defined]
     assert {"etcd-v3", "elastic-etcd-v3"} <= names
+
+
+@pytest.mark.parametrize(("max_nodes", "config", "period"), [
+    (2, {}, 1), (32, {}, 1), (33, {}, 2), (128, {}, 4), (1000, {}, 32),
+    (128, {"keep_alive_interval": "1"}, 1),  # an explicit value always wins
+    (4, {"keep_alive_interval": "7"}, 7),
+])
+def test_the_heartbeat_period_scales_with_max_nodes_unless_given(
+    max_nodes: int, config: dict[str, str], period: int
+) -> None:
+    from elastic.rendezvous import keep_alive_interval
+
+    params = RendezvousParameters(backend="etcd-v3", endpoint="127.0.0.1:1", run_id="job",
+                                  min_nodes=1, max_nodes=max_nodes, **config)
+    assert keep_alive_interval(params) == period
