@@ -229,6 +229,7 @@ class ElasticLoop:
         self._events = EventLog.from_env()
         self._round = ctx.round if ctx is not None else None
         self._step_started: float | None = None
+        self._blocked_s = 0.0  # checkpoint stalls of the step being closed
 
     # -- batch plan -------------------------------------------------------------------------
 
@@ -504,13 +505,8 @@ class ElasticLoop:
             self.sampler.advance(self.global_batch_size)
         self.step += 1
         self.has_state = True
-        if self._step_started is not None:
-            self._record(
-                "step", round=self._round, step=self.step - 1,
-                duration_s=round(time.monotonic() - self._step_started, 4),
-                world=self.ctx.world_size if self.ctx is not None else 1,
-            )
-            self._step_started = None
+        started, self._step_started = self._step_started, None
+        self._blocked_s = 0.0
         if self.ctx is not None:
             self.ctx.after_first_step()
         drain = self._agree_on_drain()
@@ -524,6 +520,14 @@ class ElasticLoop:
         elif self.step % self.checkpoint_interval == 0:
             self._save(final=False)
         self._await_overdue_commit()  # this step's save, when max_commit_lag is 0
+        if started is not None:
+            # The step's compute and its per-step agreement; checkpoint stalls are their own
+            # events, so that the goodput report can tell them apart.
+            self._record(
+                "step", round=self._round, step=self.step - 1,
+                duration_s=round(max(0.0, time.monotonic() - started - self._blocked_s), 4),
+                world=self.ctx.world_size if self.ctx is not None else 1,
+            )
 
     def _record(self, event: str, **fields: Any) -> None:
         """Appends an event to the job's event log if this process is global rank 0 now."""
@@ -549,14 +553,24 @@ class ElasticLoop:
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.ctx.process_group)
         return bool(tensor.item() > 0)
 
-    def _await_overdue_commit(self) -> None:
+    def settle_save(self) -> None:
+        """Waits for the save in flight to commit (or fail), whatever its age.
+
+        In place, called by every member of a world before a planned membership change tears
+        its process groups down: the save's collectives run on those groups, so destroying
+        them under it would fail the save (and a job with frequent changes would never
+        commit one).
+        """
+        self._await_overdue_commit(force=True)
+
+    def _await_overdue_commit(self, *, force: bool = False) -> None:
         """Waits for the in-flight save once it is ``max_commit_lag`` steps old.
 
         This is what bounds lost work (module docstring); every rank waits for its own handle,
         and the handles resolve together because the commit is one collective.
         """
         handle = self._uncommitted
-        if handle is None or self.step - handle.step < self.max_commit_lag:
+        if handle is None or (not force and self.step - handle.step < self.max_commit_lag):
             return
         self._uncommitted = None
         if not handle.committed.done():
@@ -567,8 +581,9 @@ class ElasticLoop:
                 "waited %.2fs at step %d for the checkpoint of step %d to commit",
                 waited, self.step, handle.step,
             )
+            self._blocked_s += waited
             self._record("checkpoint", round=self._round, step=handle.step,
-                                blocked_s=round(waited, 4), final=False, wait="commit")
+                         blocked_s=round(waited, 4), final=False, wait="commit")
         error = handle.committed.exception()
         if error is not None:
             logger.warning(
@@ -596,8 +611,10 @@ class ElasticLoop:
                 )
             else:
                 logger.warning("final checkpoint at step %d did not commit in time", self.step)
+        blocked = time.monotonic() - started
+        self._blocked_s += blocked
         self._record("checkpoint", round=self._round, step=self.step,
-                            blocked_s=round(time.monotonic() - started, 4), final=final)
+                     blocked_s=round(blocked, 4), final=final)
 
 
 def _as_python_rng(value: Any) -> tuple[Any, ...]:

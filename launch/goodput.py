@@ -90,7 +90,7 @@ class Change:
     """One membership change (a round after the first that trained), with its recovery time."""
 
     round: int
-    """The round that resumed training."""
+    """The round (in place: the world epoch) that resumed training; -1 if unknown."""
     reason: str
     at: float
     """End of the last step before the change, seconds after the job's start."""
@@ -103,8 +103,9 @@ class Change:
     """Checkpoint load alone (part of restore), from the loop's ``restored`` event."""
     recovery_s: float
     """Last step before to first step start after: detection + rendezvous + restore."""
-    rounds: list[int] = field(default_factory=list)
-    """Every round started during the change (more than one when a round failed early)."""
+    rounds: int = 0
+    """Agent rounds started during the change (0 in place; more than one when a round
+    failed early)."""
 
 
 @dataclass(slots=True)
@@ -124,6 +125,8 @@ class Report:
     worker_failures: list[dict[str, Any]] = field(default_factory=list)
     breakdown: dict[str, float] = field(default_factory=dict)
     """Wall time by part (:data:`PARTS`), seconds; empty without step events."""
+    training_s: float | None = None
+    """First step's start to the last step's end (the job minus start-up and shut-down)."""
     changes: list[Change] = field(default_factory=list)
     timeline: list[tuple[float, float, str]] = field(default_factory=list)
     worlds: list[tuple[float, int]] = field(default_factory=list)
@@ -135,9 +138,18 @@ class Report:
             return None
         return self.productive_s / self.wall_s
 
+    @property
+    def training_goodput(self) -> float | None:
+        """Productive time over :attr:`training_s`: goodput once training runs, which is what
+        a long job converges to (start-up and shut-down are paid once)."""
+        if self.productive_s is None or not self.training_s:
+            return None
+        return self.productive_s / self.training_s
+
     def to_json(self) -> dict[str, Any]:
-        """The report as a JSON-ready dict (``goodput`` included)."""
-        return {**asdict(self), "goodput": self.goodput}
+        """The report as a JSON-ready dict (``goodput`` and ``training_goodput`` included)."""
+        return {**asdict(self), "goodput": self.goodput,
+                "training_goodput": self.training_goodput}
 
 
 def load(directory: str) -> dict[str, list[dict[str, Any]]]:
@@ -243,6 +255,9 @@ def build_report(job: str, events: list[dict[str, Any]]) -> Report:
         departures=_departures(agent, t0),
         worker_failures=failures,
         breakdown=breakdown, changes=changes, timeline=timeline, worlds=worlds,
+        training_s=None if not steps else round(
+            max(float(s["time"]) for s in steps)
+            - min(float(s["time"]) - float(s.get("duration_s") or 0.0) for s in steps), 3),
     )
 
 
@@ -276,46 +291,57 @@ def _split(
         blocked = float(e.get("blocked_s") or 0.0)
         if blocked > 0:
             intervals.append((e["time"] - blocked - t0, e["time"] - t0, "checkpoint"))
-    round_start: dict[int, float] = {}
-    for e in _of(agent, "round_started"):
-        if isinstance(e.get("round"), int):
-            round_start[e["round"]] = min(round_start.get(e["round"], e["time"]), e["time"])
+    # Times of the agents' rounds, matched to a change by time, not by number: in place
+    # (--elastic-mode inplace) the workers label their steps with their own world epoch.
+    starts = sorted((float(e["time"]), str(e.get("reason", ""))) for e in
+                    _of(agent, "round_started"))
     loads = {e.get("round"): float(e.get("duration_s") or 0.0) for e in _of(events, "restored")}
-    first_start: dict[int, float] = {}
-    world_of: dict[int, int] = {}
-    for s in steps:
-        r = s.get("round")
-        if isinstance(r, int) and r not in first_start:
-            first_start[r] = float(s["time"]) - float(s.get("duration_s") or 0.0)
-            if isinstance(s.get("world"), int):
-                world_of[r] = s["world"]
-    trained = sorted(first_start)
-    noticed = sorted(float(e["time"]) for e in _of(agent, *_NOTICED))
-    reasons = {r.round: r.reason for r in _rounds(agent, t0, steps)}
+    first_start: dict[Any, float] = {}
+    last_end: dict[Any, float] = {}
+    world_of: dict[Any, int] = {}
+    for s in sorted(steps, key=lambda e: float(e["time"])):
+        label = s.get("round")
+        first_start.setdefault(label, float(s["time"]) - float(s.get("duration_s") or 0.0))
+        last_end[label] = float(s["time"])
+        if isinstance(s.get("world"), int):
+            world_of.setdefault(label, s["world"])
+    trained = sorted(first_start, key=lambda label: first_start[label])
+    noticed = sorted((float(e["time"]), str(e["event"])) for e in _of(agent, *_NOTICED))
     changes: list[Change] = []
     if trained:
         # The start: first agent up to the first round (rendezvous), then to the first step.
-        first = trained[0]
-        begin = round_start.get(first, first_start[first])
+        resumed = first_start[trained[0]]
+        begin = min([t for t, _ in starts if t <= resumed] or [resumed])
         intervals.append((0.0, begin - t0, "rendezvous"))
-        intervals.append((begin - t0, first_start[first] - t0, "restore"))
+        intervals.append((begin - t0, resumed - t0, "restore"))
     for before, after in itertools.pairwise(trained):
-        last_end = max(float(s["time"]) for s in steps if s.get("round") == before)
-        resumed = first_start[after]
-        began = min(max(round_start.get(after, resumed), last_end), resumed)
-        seen = next((t for t in noticed if last_end <= t <= began), None)
-        # Nothing noticed (a node joining is announced, not detected): all of it is rendezvous.
-        detected = seen if seen is not None else last_end
-        parts = (("detection", last_end, detected), ("rendezvous", detected, began),
+        ended, resumed = last_end[before], first_start[after]
+        seen = [(t, kind) for t, kind in noticed if ended <= t <= resumed]
+        # Nothing noticed (a node joining is announced, not detected): no detection time.
+        detected = seen[0][0] if seen else ended
+        rounds_in = [(t, reason) for t, reason in starts if detected <= t <= resumed]
+        # No agent round (in place): forming the new world and healing count as restore.
+        began = max(t for t, _ in rounds_in) if rounds_in else detected
+        reasons = [reason for _, reason in rounds_in if reason != "start"]
+        if reasons:
+            reason = min(reasons, key=lambda r: _REASON_ORDER.index(r)
+                         if r in _REASON_ORDER else len(_REASON_ORDER))
+        elif seen:
+            reason = {"peer_departed": "planned_departure"}.get(seen[0][1], seen[0][1])
+        else:
+            grew = world_of.get(after, 0) > world_of.get(before, 0)
+            reason = "node_joined" if grew else "world_changed"
+        parts = (("detection", ended, detected), ("rendezvous", detected, began),
                  ("restore", began, resumed))
         intervals.extend((a - t0, b - t0, kind) for kind, a, b in parts)
         changes.append(Change(
-            round=after, reason=reasons.get(after, "?"), at=round(last_end - t0, 3),
+            round=after if isinstance(after, int) else -1, reason=reason,
+            at=round(ended - t0, 3),
             world_before=world_of.get(before), world_after=world_of.get(after),
-            detection_s=round(detected - last_end, 3), rendezvous_s=round(began - detected, 3),
+            detection_s=round(detected - ended, 3), rendezvous_s=round(began - detected, 3),
             restore_s=round(resumed - began, 3),
-            load_s=loads.get(after), recovery_s=round(resumed - last_end, 3),
-            rounds=sorted(r for r in round_start if before < r <= after),
+            load_s=loads.get(after), recovery_s=round(resumed - ended, 3),
+            rounds=len(rounds_in),
         ))
     breakdown = dict.fromkeys(PARTS, 0.0)
     for start, end, kind in intervals:
@@ -339,6 +365,8 @@ def format_report(report: Report) -> str:
     else:
         lines.append(f"  productive         {report.productive_s:9.1f} s   goodput "
                      f"{report.goodput or 0.0:.3f} ({report.steps} steps)")
+        lines.append(f"  training           {report.training_s or 0.0:9.1f} s   goodput "
+                     f"{report.training_goodput or 0.0:.3f} (first step to last step)")
     lines.append(f"  recomputed         {report.recomputed_s:9.1f} s   "
                  f"({report.recomputed_steps} steps redone)")
     lines.append(f"  checkpoint stalls  {report.checkpoint_s:9.1f} s")
