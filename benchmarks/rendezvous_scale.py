@@ -279,6 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(REPO))
     from torch.distributed import TCPStore
 
+    from elastic.rendezvous import HEARTBEAT_WRITES_PER_S
     from launch.etcd_server import EmbeddedEtcd, free_port
 
     rounds: list[RoundResult] = []
@@ -293,8 +294,9 @@ def main(argv: list[str] | None = None) -> int:
                 for n in nodes:
                     if "etcd-v3" in backends:
                         floor = etcd_write_floor(etcd.endpoint)
+                        beat = max(1, -(-n // HEARTBEAT_WRITES_PER_S))  # the default period
                         print(f"etcd write floor: {floor:.0f} puts/s of 4 KiB; torch's keep-alives "
-                              f"alone need {n / 5:.1f}/s at N={n}", flush=True)
+                              f"alone need {n / beat:.1f}/s at N={n}", flush=True)
                     for b in backends:
                         endpoint = etcd.endpoint if b == "etcd-v3" else f"127.0.0.1:{port}"
                         r = one_round(b, n, args.processes, endpoint, store, seq)
