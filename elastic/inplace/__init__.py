@@ -19,7 +19,11 @@ node came or went. Design (torchft-like, fenced by etcd compare-and-swap):
   to the largest count that divides the global batch (the rest wait as spares; the loser of
   the CAS adopts the winner's world), destroy (NCCL: abort) the old groups and build new ones
   over ``PrefixStore(f"e{epoch}/", EtcdV3Store)``. If a member does not arrive within the
-  build timeout (it died meanwhile) the next epoch is proposed.
+  build timeout (it died meanwhile) the next epoch is proposed: an epoch is never built twice
+  (its prefix holds the failed attempt's keys), and torch's group-name counter is reset
+  before every build so that all members name their groups alike. Before a planned change
+  (joiners, no failure) every rank first waits for the save in flight, which runs on the old
+  groups.
 * **Heal** (:mod:`~elastic.inplace.heal`): all ranks all-gather their completed step; the
   lowest rank holding the highest step broadcasts model, optimizer, loop state, RNG and
   sampler cursor to the ranks behind it (newcomers, or a survivor that did not finish the

@@ -130,6 +130,9 @@ class InPlaceController:
         #: Seconds from a detected failure to the next completed heal, per failure.
         self.recovery_s: list[float] = []
         self._failed_at: float | None = None
+        #: The newest epoch this worker tried to build: a world is never built twice (its
+        #: store prefix holds the failed attempt's keys), a failed one is followed by the next.
+        self._tried_epoch = 0
 
     # -- joining and building worlds --------------------------------------------------------
 
@@ -154,20 +157,28 @@ class InPlaceController:
             world = self.quorum.world(fresh=True)
             live = self.quorum.live_members(fresh=True)
             if world is None or not set(world.members) & set(live):
-                # A fresh job (or one whose workers all died): form the first world from the
-                # workers the agents started together, once they are all registered.
+                # A fresh job: form the first world from the workers the agents started
+                # together, once they are all registered. A job whose workers all died: the
+                # agents' round size is stale (lost nodes do not start a new round in place),
+                # so wait at most one build timeout for the others, then start with whoever
+                # is there (latecomers are admitted at the next step boundary).
+                settle = deadline - time.monotonic()
+                if world is not None:
+                    settle = min(settle, self.build_timeout.total_seconds())
                 self.quorum.wait_until(
                     lambda q: q.done() is not None
                     or len(q.live_members()) >= self.initial_world_size
                     or (q.world() is not None and bool(set(q.world().members)
                                                       & set(q.live_members()))),
-                    max(0.0, deadline - time.monotonic()),
+                    max(0.0, settle),
                 )
                 self._exit_if_done()
                 live = self.quorum.live_members(fresh=True)
                 world = self.quorum.world(fresh=True)
                 if world is None or not set(world.members) & set(live):
                     world = self.quorum.propose(world, live[: self.initial_world_size])
+            if self.me in world.members and world.epoch <= self._tried_epoch:
+                world = self._next_world(after_failure=True)  # it failed to build: go on
             if self.me in world.members:
                 groups = self._build(world)
                 if groups is not None:
@@ -186,7 +197,7 @@ class InPlaceController:
         self.quorum.wait_until(
             lambda q: q.done() is not None or (
                 (w := q.world()) is not None and me in w.members
-                and w.epoch > (self.world.epoch if self.world else 0)),
+                and w.epoch > max(self.world.epoch if self.world else 0, self._tried_epoch)),
             max(0.1, deadline - time.monotonic()),
         )
         self._exit_if_done()
@@ -201,6 +212,7 @@ class InPlaceController:
     def _build(self, world: WorldView) -> ProcessGroups | None:
         """Builds ``world``'s groups; ``None`` if a member did not arrive in time."""
         abort_groups()
+        self._tried_epoch = max(self._tried_epoch, world.epoch)
         rank = world.members.index(self.me)
         started = time.monotonic()
         try:
@@ -226,7 +238,7 @@ class InPlaceController:
 
     def _next_world(self, *, after_failure: bool) -> WorldView:
         """Proposes or adopts the world after the current one (see the package docstring)."""
-        current_epoch = self.world.epoch if self.world else 0
+        current_epoch = max(self.world.epoch if self.world else 0, self._tried_epoch)
         old = set(self.world.members) if self.world else set()
         if after_failure:
             # A dead worker's key goes when its agent deletes it (a worker kill: ~0.1 s) or
@@ -329,6 +341,12 @@ class InPlaceController:
         if self.pending is None:
             return
         started = time.monotonic()
+        if (self.pending != "failure" and self.world is not None
+                and set(self.world.members) <= set(self.quorum.live_members())):
+            # A planned change (joiners admitted): every member of this world is alive and
+            # here, so a save in flight on its groups can commit; tearing them down first
+            # would fail it, and with frequent changes no checkpoint would ever commit.
+            loop.settle_save()
         self._reconfigure(after_failure=self.pending == "failure")
         self._heal(loop)
         logger.info("reconfigured in %.3fs; continuing at step %d with %d ranks",

@@ -45,6 +45,7 @@ def build_groups(
     if backend == "nccl":
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
     store.set_timeout(timeout)
+    _reset_group_names()
     prefixed = PrefixStore(f"e{epoch}/", store)
     dist.init_process_group(
         backend, store=prefixed, rank=rank, world_size=world_size, timeout=timeout,
@@ -54,6 +55,20 @@ def build_groups(
     assert default is not None
     checkpoint = dist.new_group(backend="gloo", timeout=timeout)
     return ProcessGroups(backend=backend, default=default, checkpoint=checkpoint)
+
+
+def _reset_group_names() -> None:
+    """Makes this process name its next groups "0", "1", ... again.
+
+    torch names unnamed groups from a per-process counter and keys each group's rendezvous
+    under that name. ``destroy_process_group()`` resets the counter, but a build that failed
+    half-way (a member died) leaves no default group to destroy and the counter advanced: the
+    next world's members would then rendezvous under different names and never meet. Every
+    member builds a world's groups in the same order from a fresh counter.
+    """
+    world = getattr(dist.distributed_c10d, "_world", None)
+    if world is not None and not dist.is_initialized():
+        world.group_count = 0
 
 
 def abort_groups() -> None:

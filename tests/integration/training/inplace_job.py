@@ -21,6 +21,7 @@ class InPlaceJob:
     cluster: Cluster
     root: Path
     flags: tuple[str, ...]
+    steps: int = STEPS
     weights: Path = field(init=False)
 
     def __post_init__(self) -> None:
@@ -43,7 +44,7 @@ class InPlaceJob:
     def start_node(self, step_time: float = 0.0, *extra: str) -> Agent:
         args = [
             str(WORKER), "--checkpoint-dir", str(self.root / "ckpt"),
-            "--audit-dir", str(self.audit_dir), "--steps", str(STEPS),
+            "--audit-dir", str(self.audit_dir), "--steps", str(self.steps),
             "--interval", str(INTERVAL), "--global-batch", str(GLOBAL_BATCH),
             "--dataset-size", str(DATASET), "--step-time", str(step_time),
             "--gate-file", str(self.gate), "--weights-out", str(self.weights),
