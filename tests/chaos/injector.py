@@ -654,7 +654,9 @@ def random_faults(rng: random.Random, count: int, *, nodes: int, steps: int,
 
     Steps are drawn without replacement from ``[3, steps - 3]`` and kept at least 3 apart, so
     that each fault hits a job that trains; durations are 1-6 s (well below etcd's 30 s
-    deadline and the storage retry deadline: a longer outage is a different, tested story).
+    deadline and the storage retry deadline: a longer outage is a different, tested story);
+    a killed node's replacement starts 0-8 s later (sometimes before the survivors' new round
+    forms, sometimes after they went on without it).
     """
     span = list(range(3, steps - 3, 3))
     if count > len(span):
@@ -666,7 +668,7 @@ def random_faults(rng: random.Random, count: int, *, nodes: int, steps: int,
         kind = rng.choice(list(kinds))
         faults.append(Fault(kind, at_step=step, node=rng.randrange(nodes),
                             member=rng.randrange(3), duration=round(rng.uniform(1.0, 6.0), 1),
-                            rejoin_after=round(rng.uniform(0.0, 3.0), 1)))
+                            rejoin_after=round(rng.uniform(0.0, 8.0), 1)))
     return faults
 
 
