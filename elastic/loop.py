@@ -384,7 +384,7 @@ class ElasticLoop:
             self.sampler.reshard(rank, world)
         self._batches = None
         if self.checkpoint is not None and self.ctx is not None:
-            _rebind_checkpoint_group(self.checkpoint, self.ctx.checkpoint_group)
+            _rebind_checkpoint_group(self.checkpoint, self.ctx.checkpoint_group, self.ctx.round)
 
     @contextlib.contextmanager
     def step_guard(self) -> Iterator[None]:
@@ -624,13 +624,18 @@ def _as_python_rng(value: Any) -> tuple[Any, ...]:
     return tuple(value)
 
 
-def _rebind_checkpoint_group(manager: Any, group: dist.ProcessGroup) -> None:
+def _rebind_checkpoint_group(manager: Any, group: dist.ProcessGroup, round_: int) -> None:
     """Points a ``CheckpointManager`` at the new world's checkpoint group (in place only).
 
     The manager keeps its group, rank and world size in private attributes set once at
     construction; in place they change with every world. A save in flight on the old group
-    has failed or finished by now (its peers left that group). Pinned by a unit test.
+    has failed or finished by now (its peers left that group). Its ``round`` names the
+    directory every rank writes its shards into, so all ranks of a world must share it: a
+    survivor built its manager in an older world than a newcomer, and their shards went to
+    different directories (the commit then found a shard missing and failed, every time).
     """
+    if hasattr(manager, "round"):
+        manager.round = round_
     if not hasattr(manager, "_pg"):
         return
     manager._pg = group
