@@ -322,15 +322,18 @@ def _split(
         rounds_in = [(t, reason) for t, reason in starts if detected <= t <= resumed]
         # No agent round (in place): forming the new world and healing count as restore.
         began = max(t for t, _ in rounds_in) if rounds_in else detected
-        reasons = [reason for _, reason in rounds_in if reason != "start"]
+        # What the agents saw (a lost node, a crash) outranks a round's own label: in place,
+        # a round that admits nobody new can still be labelled node_joined.
+        reasons = [r for _, r in rounds_in if r != "start"] + [
+            {"peer_departed": "planned_departure"}.get(kind, kind) for _, kind in seen]
         if reasons:
             reason = min(reasons, key=lambda r: _REASON_ORDER.index(r)
                          if r in _REASON_ORDER else len(_REASON_ORDER))
-        elif seen:
-            reason = {"peer_departed": "planned_departure"}.get(seen[0][1], seen[0][1])
         else:
-            grew = world_of.get(after, 0) > world_of.get(before, 0)
-            reason = "node_joined" if grew else "world_changed"
+            # Seen by the workers first (in place): the world size tells which way it went.
+            size_before, size_after = world_of.get(before, 0), world_of.get(after, 0)
+            reason = ("node_joined" if size_after > size_before else
+                      "node_left" if size_after < size_before else "world_changed")
         parts = (("detection", ended, detected), ("rendezvous", detected, began),
                  ("restore", began, resumed))
         intervals.extend((a - t0, b - t0, kind) for kind, a, b in parts)

@@ -8,7 +8,10 @@ from pathlib import Path
 import pytest
 
 from launch import goodput
-from tests.unit.launch.test_goodput import events_dir  # noqa: F401 - the shared fixture
+from tests.unit.launch.test_goodput import (
+    T0,
+    events_dir,  # noqa: F401 - the shared fixture
+)
 
 
 def _report(directory: Path) -> goodput.Report:
@@ -107,3 +110,30 @@ def test_a_process_start_time_is_read_from_proc() -> None:
     assert started is not None and 0 <= time.time() - started < 3600
     assert process_started_at(os.getpid()) == started
     assert process_started_at(2**22 + 12345) is None  # no such process
+
+
+def test_in_place_changes_are_matched_by_time_and_named_by_what_was_seen(
+    tmp_path: Path,
+) -> None:
+    # In place the workers label steps with their world epoch (7, 8, 9), not the agent round.
+    agent = [{"time": T0 + t, "source": "agent", "node": "a/1", "event": kind, **fields}
+             for t, kind, fields in (
+                 (0, "agent_started", {}),
+                 (1, "round_started", {"round": 0, "world": 3, "reason": "start"}),
+                 (11, "node_lost", {"round": 0, "ranks": [2]}),
+                 (12, "round_started", {"round": 1, "world": 2, "reason": "node_joined"}),
+                 (40, "agent_exited", {"outcome": "succeeded", "exit_code": 0}))]
+    steps = [{"time": T0 + t, "source": "worker", "node": "a/1", "event": "step",
+              "round": epoch, "step": i, "duration_s": 0.5, "world": world}
+             for i, (t, epoch, world) in enumerate(
+                 [(2 + k, 7, 3) for k in range(8)] + [(13 + k, 8, 2) for k in range(8)]
+                 + [(24 + k, 9, 3) for k in range(8)])]
+    (tmp_path / "a.jsonl").write_text("\n".join(
+        json.dumps({"v": 1, "job": "exp", "round": None, **e}) for e in agent + steps) + "\n")
+    report = _report(tmp_path)
+    assert [(c.round, c.reason, c.world_before, c.world_after) for c in report.changes] == [
+        (8, "node_lost", 3, 2), (9, "node_joined", 2, 3)]
+    lost, joined = report.changes
+    assert (lost.detection_s, lost.rendezvous_s, lost.restore_s) == (2.0, 1.0, 0.5)
+    assert (joined.detection_s, joined.rendezvous_s, joined.restore_s) == (0.0, 0.0, 3.5)
+    assert sum(report.breakdown.values()) == pytest.approx(report.wall_s)
