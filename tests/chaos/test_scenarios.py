@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 
+from launch import goodput
 from tests.chaos.injector import ChaosEnv, ChaosRun, Fault
 
 pytestmark = [pytest.mark.chaos, pytest.mark.etcd, pytest.mark.slow]
@@ -34,6 +35,17 @@ def test_scenario_ends_correct(chaos: ChaosEnv, name: str) -> None:
     result.check()
     print(f"\n{name}: worlds {result.worlds}, {result.checks}, "
           f"{[(i.fault.describe(), i.note) for i in result.injected]}")
+    if name == "node_killed_and_replaced":
+        # The goodput report of a real chaos run, and its timeline picture (README command).
+        (job, events), = goodput.load(str(result.events)).items()
+        report = goodput.build_report(job, events)
+        assert report.finished and report.steps == result.shape.steps
+        assert report.changes and report.breakdown["productive"] > 0
+        assert sum(report.breakdown.values()) == pytest.approx(report.wall_s, abs=0.01)
+        pytest.importorskip("matplotlib")
+        out = result.root / "timeline.png"
+        assert goodput.main([str(result.events), "--plot", str(out)]) == 0
+        assert out.read_bytes()[:4] == b"\x89PNG" and out.stat().st_size > 20_000
 
 
 def test_a_fault_names_a_valid_kind_and_one_trigger() -> None:
