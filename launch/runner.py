@@ -277,6 +277,10 @@ def run(args: argparse.Namespace) -> int:
     finally:
         monitor.stop()
         events.record("agent_exited", round=agent.round, outcome=outcome, exit_code=code)
+        if args.events_dir:
+            from launch.goodput import write_summary
+
+            write_summary(args.events_dir, config.run_id)  # never raises
         if shutdown_rdzv:
             try:
                 handler.shutdown()
