@@ -28,6 +28,10 @@
   consecutive steps merged, and ``worlds`` as ``[time, world]`` points, for
   ``--plot OUT.png`` (a timeline picture; needs matplotlib, the ``plot`` extra).
 
+Every agent started with ``--events-dir`` ends with this summary: printed to stderr at its exit
+and written to ``DIR/{job}.goodput.json`` (:func:`write_summary`; the last agent to exit writes
+the complete one).
+
 Step and checkpoint times come from the workers' ``step``/``checkpoint`` events (written by
 ``ElasticLoop`` on global rank 0); without them the report still lists rounds and departures,
 and productive time is unknown.
@@ -38,14 +42,20 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import logging
+import os
+import re
 import sys
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Final
+from pathlib import Path
+from typing import Any, Final, TextIO
 
 from elastic.eventlog import read_events
 
+logger = logging.getLogger(__name__)
+_UNSAFE: Final = re.compile(r"[^A-Za-z0-9_.-]+")
 _REASON_ORDER: Final = ("planned_departure", "node_lost", "worker_failed", "node_joined",
                         "start")
 _NOTICED: Final = ("worker_failed", "node_lost", "peer_departed", "planned_departure")
@@ -406,6 +416,30 @@ def format_report(report: Report) -> str:
         lines.append(f"    +{f['at']:7.1f} s  {f['node']}  round {f['round']}  "
                      f"exit codes {f['exit_codes']}")
     return "\n".join(lines)
+
+
+def write_summary(events_dir: str, job: str, *, out: TextIO | None = None) -> Report | None:
+    """At an agent's exit: the job's report as seen so far, to ``DIR/{job}.goodput.json``
+    (replaced atomically; the last agent to exit writes the complete one) and as text to
+    ``out`` (stderr by default). Never raises: the job's outcome is decided already.
+    """
+    try:
+        events = load(events_dir).get(job)
+        if not events:
+            return None
+        report = build_report(job, events)
+        path = Path(events_dir) / f"{_UNSAFE.sub('_', job)}.goodput.json"
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(report.to_json(), indent=2))
+        os.replace(tmp, path)
+        stream = sys.stderr if out is None else out
+        stream.write(format_report(report) + f"\n  (JSON: {path}; timeline: elastic-run goodput "
+                     f"{events_dir} --job {job} --plot timeline.png)\n")
+        stream.flush()
+        return report
+    except Exception as exc:  # a summary must never change how the agent exits
+        logger.warning("Could not write the goodput summary under %s (%s).", events_dir, exc)
+        return None
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -137,3 +137,19 @@ def test_in_place_changes_are_matched_by_time_and_named_by_what_was_seen(
     assert (lost.detection_s, lost.rendezvous_s, lost.restore_s) == (2.0, 1.0, 0.5)
     assert (joined.detection_s, joined.rendezvous_s, joined.restore_s) == (0.0, 0.0, 3.5)
     assert sum(report.breakdown.values()) == pytest.approx(report.wall_s)
+
+
+def test_an_exiting_agent_writes_the_summary_as_json_and_text(
+    events_dir: Path, tmp_path: Path,  # noqa: F811
+) -> None:
+    import io
+
+    out = io.StringIO()
+    report = goodput.write_summary(str(events_dir), "exp", out=out)
+    assert report is not None and report.finished
+    saved = json.loads((events_dir / "exp.goodput.json").read_text())
+    assert saved["breakdown"] == report.breakdown and saved["goodput"] == report.goodput
+    assert "wall time by part" in out.getvalue() and "--plot timeline.png" in out.getvalue()
+    assert len(goodput.load(str(events_dir))) == 1  # the JSON is not read back as events
+    assert goodput.write_summary(str(events_dir), "other", out=out) is None
+    assert goodput.write_summary(str(tmp_path / "missing"), "exp", out=out) is None
