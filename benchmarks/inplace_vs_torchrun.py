@@ -79,7 +79,7 @@ def worker_main(out: str, ckpt_dir: str, max_steps: int) -> int:
     import elastic
     from checkpointing import CheckpointManager, ModelOptimizerState
 
-    ctx = elastic.init()
+    ctx = elastic.init(inplace=True)  # written for in place; restart modes ignore it
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(),
                           nn.Linear(512, 10))

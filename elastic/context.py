@@ -226,6 +226,7 @@ def init(
     *,
     init_timeout: timedelta = timedelta(minutes=10),
     train_timeout: timedelta | None = timedelta(seconds=60),
+    inplace: bool = False,
 ) -> ElasticContext:
     """Joins the current round: reads the environment, sets the device, builds the groups.
 
@@ -237,6 +238,11 @@ def init(
             peer surfaces as an error within this time rather than a hang (gloo notices a
             closed connection at once; NCCL relies on this timeout). ``None`` keeps
             ``init_timeout``.
+        inplace: The script supports in-place reconfiguration (each step inside
+            ``loop.step_guard()``, DDP from ``loop.data_parallel``, the loader built with
+            ``loop.micro_batch_size``; see :mod:`elastic.inplace`). Under elastic-run's default
+            mode (``auto``) only such scripts run in place, the others restart; ``--elastic-mode
+            inplace`` runs every script in place, ``restart`` none.
 
     Returns:
         The context; its groups are destroyed at interpreter exit (or by ``close()``).
@@ -257,7 +263,8 @@ def init(
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-    if os.environ.get(env.MODE) == "inplace":
+    mode = os.environ.get(env.MODE)
+    if mode == "inplace" or (mode == "auto" and inplace):
         from elastic.inplace.controller import init_inplace
 
         ctx = init_inplace(chosen, device, init_timeout=init_timeout,

@@ -51,8 +51,10 @@ EVENTS_DIR: Final = "ELASTIC_EVENTS_DIR"
 """Directory of the job event log (``--events-dir``), read by ``elastic-run goodput``."""
 
 MODE: Final = "ELASTIC_MODE"
-"""How membership changes are handled (``--elastic-mode``): ``inplace`` (survivors keep
-running and reconfigure, see :mod:`elastic.inplace`) or ``restart`` (every worker restarts)."""
+"""How membership changes are handled (``--elastic-mode``): ``auto`` (the default: in place
+for scripts that declare it with ``elastic.init(inplace=True)``, restart otherwise),
+``inplace`` (survivors keep running and reconfigure, see :mod:`elastic.inplace`) or
+``restart`` (every worker restarts)."""
 
 KEY_PREFIX: Final = "ELASTIC_KEY_PREFIX"
 """elastic-run's etcd key prefix (``--rdzv-conf key_prefix``), passed to in-place workers."""
@@ -62,3 +64,7 @@ INPLACE_TTL: Final = "ELASTIC_INPLACE_TTL"
 
 INPLACE_BUILD_TIMEOUT: Final = "ELASTIC_INPLACE_BUILD_TIMEOUT"
 """Seconds building an in-place world's process groups waits for every member."""
+
+INPLACE_MARKER: Final = "ELASTIC_INPLACE_MARKER"
+"""A file an in-place worker creates once it joined a world: tells its agent, without a network
+call, that the job's script runs in place (``--elastic-mode auto``)."""

@@ -36,7 +36,11 @@ running job as newcomers and are healed by a survivor. The restart is charged as
 in restart mode. Nodes waiting to join make the agent take part in the next round (so that
 they can start) without stopping its workers. torch's agent stops all of a node's workers
 when one fails, so with ``--nproc-per-node`` above 1 a worker crash restarts its node's
-workers (the other nodes keep training).
+workers (the other nodes keep training). In ``auto`` mode (the default) the agent acts so only
+once this node's workers joined the in-place quorum (the script called
+``elastic.init(inplace=True)``; the worker then creates the file named by
+``ELASTIC_INPLACE_MARKER``); for other scripts every change restarts exactly as in ``restart``
+mode.
 
 Every transition is appended to the job event log (:mod:`elastic.eventlog`) when one is set.
 
@@ -48,8 +52,11 @@ worker's address from an earlier round.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
+import shutil
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Collection, Mapping
@@ -181,12 +188,17 @@ class InPlaceOptions:
         key_prefix: elastic-run's key prefix.
         ttl: Lease TTL of the workers' member keys (how long a lost node goes unnoticed).
         build_timeout: Seconds a new world's process groups wait for every member.
+        auto: ``--elastic-mode auto``: in place only once one of this node's workers joined
+            an in-place world (the script declared it with ``elastic.init(inplace=True)``; the
+            worker creates the ``ELASTIC_INPLACE_MARKER`` file); until then every change
+            restarts exactly as in restart mode, with no etcd call of its own.
     """
 
     client: EtcdClient
     key_prefix: str
     ttl: int
     build_timeout: float
+    auto: bool = False
 
 
 class NodeAgent(LocalElasticAgent):
@@ -250,6 +262,14 @@ class NodeAgent(LocalElasticAgent):
         self._reported_departing: set[Any] = set()
         self._inplace = inplace
         self._inplace_restarts = 0
+        # Auto mode: whether this node's workers were seen in place (the same script runs
+        # every time, so once seen it stays so); they say so by creating the marker file.
+        self._workers_joined_inplace = inplace is not None and not inplace.auto
+        self._inplace_marker = ""
+        if inplace is not None and inplace.auto:
+            marker_dir = tempfile.mkdtemp(prefix="elastic-inplace-")
+            atexit.register(shutil.rmtree, marker_dir, ignore_errors=True)
+            self._inplace_marker = os.path.join(marker_dir, "joined")
 
     @property
     def membership_restarts(self) -> int:
@@ -316,7 +336,8 @@ class NodeAgent(LocalElasticAgent):
             os.environ[env.ETCD_ENDPOINTS] = self._etcd_endpoints
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
         if self._inplace is not None:
-            os.environ[env.MODE] = "inplace"
+            os.environ[env.MODE] = "auto" if self._inplace.auto else "inplace"
+            os.environ[env.INPLACE_MARKER] = self._inplace_marker
             os.environ[env.KEY_PREFIX] = self._inplace.key_prefix
             os.environ[env.INPLACE_TTL] = str(self._inplace.ttl)
             os.environ[env.INPLACE_BUILD_TIMEOUT] = str(self._inplace.build_timeout)
@@ -335,7 +356,7 @@ class NodeAgent(LocalElasticAgent):
             self._depart(worker_group)
         self._report_membership()
         result = self._held_failure or super()._monitor_workers(worker_group)
-        if self._inplace is not None and result.state in _FAILED_STATES:
+        if result.state in _FAILED_STATES and self._runs_in_place():
             self._drop_member_keys()
         departing = self._membership.departing_members()
         if result.state == WorkerState.SUCCEEDED and departing:
@@ -409,18 +430,28 @@ class NodeAgent(LocalElasticAgent):
         """Local worker restarts done in place (without a rendezvous round)."""
         return self._inplace_restarts
 
-    def _drop_member_keys(self) -> None:
-        """Deletes this node's worker member keys so the survivors reconfigure at once."""
+    def _member_prefix(self) -> str:
         assert self._inplace is not None
         from elastic.inplace.quorum import node_member_prefix
 
-        prefix = node_member_prefix(self._inplace.key_prefix,
-                                    self._worker_group.spec.rdzv_handler.get_run_id(),
-                                    os.getpid())
+        return node_member_prefix(self._inplace.key_prefix,
+                                  self._worker_group.spec.rdzv_handler.get_run_id(), os.getpid())
+
+    def _drop_member_keys(self) -> None:
+        """Deletes this node's worker member keys so the survivors reconfigure at once."""
+        assert self._inplace is not None
         try:
-            self._inplace.client.delete_prefix(prefix)
+            self._inplace.client.delete_prefix(self._member_prefix())
         except Exception as exc:  # the keys' leases expire anyway, one TTL later
             logger.warning("Could not delete the failed workers' member keys (%s).", exc)
+
+    def _runs_in_place(self) -> bool:
+        """Whether this node's workers reconfigure in place (auto: once one created the marker)."""
+        if self._inplace is None:
+            return False
+        if not self._workers_joined_inplace and os.path.exists(self._inplace_marker):
+            self._workers_joined_inplace = True
+        return self._workers_joined_inplace
 
     def _restart_in_place(self, worker_group: WorkerGroup) -> None:
         if worker_group.state in _FAILED_STATES:
@@ -450,7 +481,7 @@ class NodeAgent(LocalElasticAgent):
         self._membership_restarts += 1
 
     def _restart_workers(self, worker_group: WorkerGroup) -> None:
-        if self._inplace is not None:
+        if self._runs_in_place():
             self._restart_in_place(worker_group)
             return
         charged = worker_group.state in _FAILED_STATES

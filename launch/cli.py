@@ -14,9 +14,10 @@ torch's own ``get_args_parser()``, extended), plus:
 * ``--preemption-watch`` (and the metadata URL and drain flags): leave the job on a spot
   preemption notice (see :mod:`launch.departure`);
 * ``--events-dir DIR`` (or ``ELASTIC_EVENTS_DIR``): the job event log (:mod:`elastic.eventlog`);
-* ``--elastic-mode inplace|restart`` (or ``ELASTIC_MODE``), ``--inplace-ttl``,
+* ``--elastic-mode auto|inplace|restart`` (or ``ELASTIC_MODE``), ``--inplace-ttl``,
   ``--inplace-build-timeout``: survivors reconfigure in place (:mod:`elastic.inplace`) or every
-  worker restarts on a membership change.
+  worker restarts on a membership change; ``auto`` (the default) runs in place the scripts
+  that declare it (``elastic.init(inplace=True)``) and restarts the others.
 
 The rendezvous backend defaults to ``elastic-etcd-v3``. Two more forms:
 
@@ -124,11 +125,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_preemption_flags(group)
     group.add_argument(
         "--elastic-mode", dest="elastic_mode", type=str,
-        default=os.environ.get(env.MODE) or "restart",
-        help=f"How membership changes are handled (env {env.MODE}): 'inplace' (surviving "
-        "workers keep running, rebuild their process groups and heal newcomers from memory; "
-        "data-parallel scripts using ElasticLoop.step_guard) or 'restart' (default: every "
-        "worker restarts from the last checkpoint).",
+        default=os.environ.get(env.MODE) or "auto",
+        help=f"How membership changes are handled (env {env.MODE}): 'auto' (default: in place "
+        "for scripts that call elastic.init(inplace=True), restart for the others), 'inplace' "
+        "(surviving workers keep running, rebuild their process groups and heal newcomers from "
+        "memory; data-parallel scripts using ElasticLoop.step_guard and loop.data_parallel) or "
+        "'restart' (every worker restarts from the last checkpoint).",
     )
     group.add_argument(
         "--inplace-ttl", dest="inplace_ttl", type=int, default=3,
@@ -272,9 +274,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         raise ConfigError(f"--max-restarts ({args.max_restarts}) must be at least 0.")
     if args.monitor_interval <= 0:
         raise ConfigError(f"--monitor-interval ({args.monitor_interval}) must be positive.")
-    if args.elastic_mode not in ("inplace", "restart"):
+    if args.elastic_mode not in ("auto", "inplace", "restart"):
         raise ConfigError(
-            f"--elastic-mode ({args.elastic_mode!r}) must be 'inplace' or 'restart'."
+            f"--elastic-mode ({args.elastic_mode!r}) must be 'auto', 'inplace' or 'restart'."
         )
     if args.inplace_ttl < 1:
         raise ConfigError(f"--inplace-ttl ({args.inplace_ttl}) must be at least 1 second.")

@@ -102,24 +102,32 @@ def _without_sigterm(signals: str) -> str:
 def _inplace_options(
     args: argparse.Namespace, handler: Any, rdzv_configs: dict[str, Any], had_password: bool
 ) -> Any:
-    """The agent's in-place options, or ``None`` where in-place mode cannot work (restart)."""
-    if args.elastic_mode != "inplace":
+    """The agent's in-place options, or ``None`` where in-place mode cannot work (restart).
+
+    ``auto`` falls back silently (restart is what the job would get anyway); an explicit
+    ``inplace`` says why it cannot be honoured.
+    """
+    if args.elastic_mode not in ("auto", "inplace"):
         return None
     from launch.agent import InPlaceOptions
 
+    auto = args.elastic_mode == "auto"
+    say = logger.info if auto else logger.warning
     registry = getattr(handler, "registry", None)
     if registry is None:
-        logger.warning("--elastic-mode inplace needs the elastic-etcd-v3 rendezvous (got %s); "
-                       "using restart mode.", args.rdzv_backend)
+        say("--elastic-mode %s needs the elastic-etcd-v3 rendezvous for in-place "
+            "reconfiguration (got %s); using restart mode.", args.elastic_mode,
+            args.rdzv_backend)
         return None
     if had_password:
         # The workers would need the password to reach etcd, and it is kept from them.
-        logger.warning("--elastic-mode inplace is not used with etcd password authentication "
-                       "(workers do not get the password); using restart mode.")
+        say("--elastic-mode %s: in-place reconfiguration is not used with etcd password "
+            "authentication (workers do not get the password); using restart mode.",
+            args.elastic_mode)
         return None
     return InPlaceOptions(
         client=registry.client, key_prefix=str(rdzv_configs.get("key_prefix", "/elastic")),
-        ttl=int(args.inplace_ttl), build_timeout=float(args.inplace_build_timeout),
+        ttl=int(args.inplace_ttl), build_timeout=float(args.inplace_build_timeout), auto=auto,
     )
 
 

@@ -1,7 +1,8 @@
 """In-place reconfiguration: surviving workers keep training through a membership change.
 
-With ``elastic-run --elastic-mode inplace`` (``ELASTIC_MODE=inplace`` in the workers), a
-worker process lives as long as it can train; nobody restarts it because another worker or
+With ``elastic-run`` in its default mode (``auto``) for a script that calls
+``elastic.init(inplace=True)``, or with ``--elastic-mode inplace`` for any script, a worker
+process lives as long as it can train; nobody restarts it because another worker or
 node came or went. Design (torchft-like, fenced by etcd compare-and-swap):
 
 * **Quorum** (:mod:`~elastic.inplace.quorum`): every worker holds a member key on its own

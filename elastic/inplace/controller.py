@@ -1,8 +1,9 @@
 """The worker side of in-place reconfiguration: join, reconfigure, heal (see the package doc).
 
 :func:`init_inplace` replaces :func:`elastic.init` when elastic-run runs the job in place
-(``ELASTIC_MODE=inplace``). The returned context's ``inplace`` attribute is an
-:class:`InPlaceController`, which :class:`~elastic.loop.ElasticLoop` calls at four points:
+(``ELASTIC_MODE=inplace``, or ``auto`` with ``elastic.init(inplace=True)``). The returned
+context's ``inplace`` attribute is an :class:`InPlaceController`, which
+:class:`~elastic.loop.ElasticLoop` calls at four points:
 
 * ``restore``: entering the loop: agree on the step with the world and heal, or read storage
   when nobody holds state;
@@ -388,6 +389,13 @@ def init_inplace(backend: str, device: torch.device, *, init_timeout: timedelta,
     )
     groups = controller.join(init_timeout)
     assert controller.world is not None
+    marker = os.environ.get(env.INPLACE_MARKER, "")
+    if marker:  # tells the agent (auto mode) that this job's workers run in place
+        try:
+            with open(marker, "a"):
+                pass
+        except OSError as exc:
+            logger.warning("could not create the in-place marker %s (%s)", marker, exc)
     world = World(rank=controller.rank, world_size=len(controller.world.members),
                   local_rank=base.local_rank, local_world_size=base.local_world_size,
                   group_rank=base.group_rank, round=controller.world.epoch,

@@ -1,10 +1,11 @@
 """Acceptance 1 of in-place reconfiguration: a worker SIGKILLed in a 2-node job.
 
-Two ``elastic-run --elastic-mode inplace`` agents (``--nproc-per-node 1``) on a real etcd
-train the float64 MLP of ``inplace_worker.py``. Node 1's worker is SIGKILLed from outside
-mid-step. Its agent deletes its member key and starts a replacement on the same node; the
-other node's worker reconfigures in place (a world of 1), keeps training, and admits the
-replacement at a step boundary (a world of 2), healing it over the process group.
+Two ``elastic-run`` agents in the default mode (``auto``: in place, since the worker calls
+``elastic.init(inplace=True)``; ``--nproc-per-node 1``) on a real etcd train the float64 MLP of
+``inplace_worker.py``. Node 1's worker is SIGKILLed from outside mid-step. Its agent deletes its
+member key and starts a replacement on the same node; the other node's worker reconfigures in
+place (a world of 1), keeps training, and admits the replacement at a step boundary (a world
+of 2), healing it over the process group.
 
 Checks: the surviving worker's pid never changes; the replacement got its state from the
 survivor and read no checkpoint; at most one completed step was redone; every step of the
@@ -59,8 +60,9 @@ def _scenario(tmp: Path, endpoint: str) -> Iterator[Outcome]:
         (tmp / "job").mkdir(exist_ok=True)
         steady = InPlaceJob(steady_cluster, tmp / "steady", ("--nnodes", "2",
                                                               "--max-restarts", "0"))
+        # elastic-run's default mode (auto): in place because the worker declares it.
         job = InPlaceJob(job_cluster, tmp / "job", ("--nnodes", "1:2", "--max-restarts", "3",
-                                                      "--inplace-ttl", "5"))
+                                                      "--inplace-ttl", "5"), mode=None)
         for _ in range(2):
             steady.start_node()
         job.open_gate(0)

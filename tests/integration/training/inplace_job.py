@@ -22,10 +22,17 @@ class InPlaceJob:
     root: Path
     flags: tuple[str, ...]
     steps: int = STEPS
+    #: ``--elastic-mode`` of the agents (``None``: elastic-run's default, ``auto``, which runs
+    #: this worker in place because it calls ``elastic.init(inplace=True)``).
+    mode: str | None = "inplace"
     weights: Path = field(init=False)
 
     def __post_init__(self) -> None:
         self.weights = self.root / "weights.pt"
+        if self.mode is None:
+            # The default must come from elastic-run, not from an ELASTIC_MODE that an agent
+            # unit test left in this process's environment.
+            self.cluster.env.pop("ELASTIC_MODE", None)
         self.audit_dir.mkdir(parents=True, exist_ok=True)
 
     @property
@@ -49,8 +56,8 @@ class InPlaceJob:
             "--dataset-size", str(DATASET), "--step-time", str(step_time),
             "--gate-file", str(self.gate), "--weights-out", str(self.weights),
         ]
-        return self.cluster.start_elastic("--elastic-mode", "inplace", *self.flags, *extra,
-                                          worker_args=args)
+        mode = ("--elastic-mode", self.mode) if self.mode else ()
+        return self.cluster.start_elastic(*mode, *self.flags, *extra, worker_args=args)
 
     def audit(self) -> Audit:
         return read_audit(self.audit_dir)

@@ -66,7 +66,7 @@ def main() -> int:
     logging.basicConfig(level=os.environ.get("LOGLEVEL", "INFO").upper(),
                         format="[%(asctime)s] %(levelname)s %(name)s[%(process)d]: %(message)s")
 
-    ctx = elastic.init()
+    ctx = elastic.init(inplace=True)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1)).double()
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
