@@ -205,6 +205,24 @@ class CheckpointManager:
         self.last_stage_s = 0.0
 
     # ----------------------------------------------------------------------------- save path
+    def rebind(self, process_group: dist.ProcessGroup, round: int) -> None:
+        """Moves this manager to a new world (in-place reconfiguration).
+
+        Later saves and loads run their collectives on ``process_group``, and ``round`` names
+        the directory every rank writes its shards into, so all ranks of one world must pass
+        the same value (a survivor's manager was built in an older world than a newcomer's).
+        Call it with no save in flight on the old group.
+
+        Args:
+            process_group: The new world's checkpoint group (gloo).
+            round: The new world's round (its epoch), shared by all of its ranks.
+        """
+        self.round = round
+        self._distributed = True
+        self._pg = process_group
+        self._rank = dist.get_rank(process_group)
+        self._world = dist.get_world_size(process_group)
+
     def save(
         self, step: int, state: Mapping[str, Any], *, metadata: Mapping[str, Any] | None = None
     ) -> SaveHandle:

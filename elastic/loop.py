@@ -384,7 +384,7 @@ class ElasticLoop:
             self.sampler.reshard(rank, world)
         self._batches = None
         if self.checkpoint is not None and self.ctx is not None:
-            _rebind_checkpoint_group(self.checkpoint, self.ctx.checkpoint_group, self.ctx.round)
+            self.checkpoint.rebind(self.ctx.checkpoint_group, self.ctx.round)
 
     @contextlib.contextmanager
     def step_guard(self) -> Iterator[None]:
@@ -535,23 +535,17 @@ class ElasticLoop:
             self._events.record(event, **fields)
 
     def _agree_on_drain(self) -> bool:
-        flag = self._drain.is_set()
-        if self._inplace is not None:
-            # One all-reduce also agrees on a membership change, so that every rank
-            # reconfigures at the same step boundary.
-            changed = self._inplace.boundary_flag()
-            both = torch.tensor([1.0 if flag else 0.0, 1.0 if changed else 0.0],
-                                device=self.ctx.device if self.ctx is not None else None)
-            if self.ctx is not None and self.ctx.world_size > 1:
-                dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.ctx.process_group)
-            if both[1].item() > 0:
-                self._inplace.request("membership")
-            return bool(both[0].item() > 0)
-        if self.ctx is None or self.ctx.world_size == 1:
-            return flag
-        tensor = torch.tensor([1.0 if flag else 0.0], device=self.ctx.device)
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.ctx.process_group)
-        return bool(tensor.item() > 0)
+        # One all-reduce agrees on a drain and, in place, on a membership change, so that
+        # every rank acts at the same step boundary; one .tolist() is one device sync.
+        flags = [self._drain.is_set(),
+                 self._inplace is not None and self._inplace.boundary_flag()]
+        if self.ctx is not None and self.ctx.world_size > 1:
+            tensor = torch.tensor([float(f) for f in flags], device=self.ctx.device)
+            dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.ctx.process_group)
+            flags = [value > 0 for value in tensor.tolist()]
+        if flags[1] and self._inplace is not None:
+            self._inplace.request("membership")
+        return bool(flags[0])
 
     def settle_save(self) -> None:
         """Waits for the save in flight to commit (or fail), whatever its age.
@@ -622,22 +616,3 @@ def _as_python_rng(value: Any) -> tuple[Any, ...]:
     if isinstance(value, list):
         return tuple(_as_python_rng(v) if isinstance(v, list) else v for v in value)
     return tuple(value)
-
-
-def _rebind_checkpoint_group(manager: Any, group: dist.ProcessGroup, round_: int) -> None:
-    """Points a ``CheckpointManager`` at the new world's checkpoint group (in place only).
-
-    The manager keeps its group, rank and world size in private attributes set once at
-    construction; in place they change with every world. A save in flight on the old group
-    has failed or finished by now (its peers left that group). Its ``round`` names the
-    directory every rank writes its shards into, so all ranks of a world must share it: a
-    survivor built its manager in an older world than a newcomer, and their shards went to
-    different directories (the commit then found a shard missing and failed, every time).
-    """
-    if hasattr(manager, "round"):
-        manager.round = round_
-    if not hasattr(manager, "_pg"):
-        return
-    manager._pg = group
-    manager._rank = dist.get_rank(group)
-    manager._world = dist.get_world_size(group)

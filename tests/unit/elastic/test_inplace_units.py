@@ -1,5 +1,5 @@
 """Unit tests of the in-place pieces that need no etcd: admission, failure classification,
-the CheckpointManager attributes the loop rebinds, and the heal payload round trip."""
+CheckpointManager.rebind across worlds, and the heal payload round trip."""
 
 from __future__ import annotations
 
@@ -27,20 +27,10 @@ def test_gloo_peer_errors_are_peer_failures_and_user_errors_are_not() -> None:
     assert not is_peer_failure(ValueError("connection reset"))
 
 
-def test_checkpoint_manager_keeps_the_attributes_the_loop_rebinds(tmp_path: object) -> None:
-    manager = CheckpointManager(str(tmp_path))
-    try:
-        for name in ("_pg", "_rank", "_world", "round"):
-            assert hasattr(manager, name), name
-    finally:
-        manager.close()
-
-
 def test_every_rank_of_a_world_saves_into_the_same_round_directory(tmp_path: object) -> None:
     # Managers built in different worlds (a survivor, a newcomer) must agree on the directory
     # once the loop rebinds them to the same world, or their shards part ways.
     from checkpointing.layout import format_dir_name
-    from elastic.loop import _rebind_checkpoint_group
 
     survivor = CheckpointManager(str(tmp_path), round=3)
     newcomer = CheckpointManager(str(tmp_path), round=9)
@@ -49,7 +39,7 @@ def test_every_rank_of_a_world_saves_into_the_same_round_directory(tmp_path: obj
         group = dist.group.WORLD
         assert group is not None
         for manager in (survivor, newcomer):
-            _rebind_checkpoint_group(manager, group, 12)
+            manager.rebind(group, 12)
         assert {format_dir_name(5, m.round) for m in (survivor, newcomer)} == {
             format_dir_name(5, 12)}
     finally:
