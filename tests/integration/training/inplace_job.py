@@ -30,8 +30,8 @@ class InPlaceJob:
     def __post_init__(self) -> None:
         self.weights = self.root / "weights.pt"
         if self.mode is None:
-            # The default must come from elastic-run, not from an ELASTIC_MODE that an agent
-            # unit test left in this process's environment.
+            # The default must come from elastic-run, not from an ELASTIC_MODE in the
+            # developer's shell (agent unit tests no longer leak one: tests/unit/launch/conftest).
             self.cluster.env.pop("ELASTIC_MODE", None)
         self.audit_dir.mkdir(parents=True, exist_ok=True)
 
