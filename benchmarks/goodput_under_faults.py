@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import logging
 import os
 import signal
 import socket
@@ -66,6 +67,9 @@ def worker_main(args: argparse.Namespace) -> int:
     import elastic
     from checkpointing import CheckpointManager, ModelOptimizerState
 
+    # GOODPUT_WORKER_LOG=INFO shows where a reconfiguration's time goes (agent*.log).
+    logging.basicConfig(level=os.environ.get("GOODPUT_WORKER_LOG", "WARNING"),
+                        format="%(asctime)s %(name)s: %(message)s")
     ctx = elastic.init()
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 128), nn.Tanh(), nn.Linear(128, 1))

@@ -15,8 +15,10 @@ node came or went. Design (torchft-like, fenced by etcd compare-and-swap):
   (gloo: at once, connection reset), ``loop.step_guard()`` abandons the step (drops its
   gradients and loader iterator) and the worker reconfigures before the next step.
 * **How** (:mod:`~elastic.inplace.controller`, :mod:`~elastic.inplace.groups`): wait until the
-  dead worker's key is gone (its agent deletes it at once after a worker crash; a lost node's
-  keys expire after the TTL), propose epoch+1 with the live members in join order, truncated
+  dead worker's key is gone (its agent deletes it at once after a worker crash; a survivor
+  deletes it at once when the worker's liveness port refuses, :mod:`~elastic.inplace.liveness`,
+  as when a node's whole process tree dies; a host gone silent loses its keys after the TTL),
+  propose epoch+1 with the live members in join order, truncated
   to the largest count that divides the global batch (the rest wait as spares; the loser of
   the CAS adopts the winner's world), destroy (NCCL: abort) the old groups and build new ones
   over ``PrefixStore(f"e{epoch}/", EtcdV3Store)``. If a member does not arrive within the
@@ -25,6 +27,10 @@ node came or went. Design (torchft-like, fenced by etcd compare-and-swap):
   before every build so that all members name their groups alike. Before a planned change
   (joiners, no failure) every rank first waits for the save in flight, which runs on the old
   groups.
+* **Joining**: a worker that starts while a world trains registers *not ready* and
+  ``elastic.init()`` returns at once (on local standby groups, with a provisional rank that is
+  never 0); it turns ready when its loop starts, so survivors keep training while it builds
+  its model and are held only for the group build and the heal.
 * **Heal** (:mod:`~elastic.inplace.heal`): all ranks all-gather their completed step; the
   lowest rank holding the highest step broadcasts model, optimizer, loop state, RNG and
   sampler cursor to the ranks behind it (newcomers, or a survivor that did not finish the

@@ -31,8 +31,9 @@ from elastic import env
 from elastic.context import ElasticContext, World
 from elastic.errors import ConfigError
 from elastic.etcd import EtcdClient, config_from_env
-from elastic.inplace.groups import abort_groups, build_groups
+from elastic.inplace.groups import abort_groups, build_groups, standby_groups
 from elastic.inplace.heal import HealResult, agree_and_heal
+from elastic.inplace.liveness import LivenessSocket, ProbeBook
 from elastic.inplace.quorum import WorkerQuorum, WorldView, member_id
 from elastic.process_group import ProcessGroups
 from elastic.store import EtcdV3Store
@@ -107,12 +108,17 @@ class InPlaceController:
         build_timeout: How long building a world's groups waits for every member.
         train_timeout: Collective timeout once a world is built (``None``: ``build_timeout``).
         initial_world_size: Workers the first world waits for (the agents' round size).
+        liveness: This worker's liveness socket (see :mod:`~elastic.inplace.liveness`);
+            ``None``: peers learn of this worker's death from its lease only.
     """
 
     def __init__(self, quorum: WorkerQuorum, store: EtcdV3Store, *, backend: str,
                  device: torch.device, build_timeout: timedelta,
-                 train_timeout: timedelta | None, initial_world_size: int) -> None:
+                 train_timeout: timedelta | None, initial_world_size: int,
+                 liveness: LivenessSocket | None = None) -> None:
         self.quorum = quorum
+        self.liveness = liveness
+        self.probes = ProbeBook()
         self.store = store
         self.backend = backend
         self.device = device
@@ -131,6 +137,10 @@ class InPlaceController:
         #: Seconds from a detected failure to the next completed heal, per failure.
         self.recovery_s: list[float] = []
         self._failed_at: float | None = None
+        #: A joiner registered not ready: it joins the world when the loop starts.
+        self.deferred = False
+        #: How long a deferred joiner waits to be admitted (``elastic.init``'s timeout).
+        self.join_timeout = timedelta(minutes=30)
         #: The newest epoch this worker tried to build: a world is never built twice (its
         #: store prefix holds the failed attempt's keys), a failed one is followed by the next.
         self._tried_epoch = 0
@@ -148,10 +158,32 @@ class InPlaceController:
         assert self.world is not None
         return self.world.members.index(self.me)
 
+    def register(self) -> WorldView | None:
+        """Publishes this worker's member key; returns the running world it will join later.
+
+        A worker that starts while a world of live members trains (a replacement, a new
+        node) registers as *not ready*: the survivors keep training while it builds its
+        model, and it is admitted when it enters the training loop (:meth:`restore`), so a
+        slow start never stalls them. Workers that start a job (or restart one whose
+        workers all died) register ready and form the first world in :meth:`join`.
+
+        Returns:
+            The world being trained when this worker defers its admission, else ``None``.
+        """
+        world = self.quorum.world(fresh=True)
+        live = self.quorum.live_members(fresh=True)
+        running = world if world is not None and set(world.members) & set(live) else None
+        info: dict[str, object] = {"host": socket.gethostname(), "pid": os.getpid(),
+                                   "started_at": time.time(), "ready": running is None}
+        if self.liveness is not None:
+            info["probe_port"] = self.liveness.port
+        self.quorum.join(info)
+        self.deferred = running is not None
+        return running
+
     def join(self, timeout: timedelta) -> ProcessGroups:
-        """Registers this worker and waits for (or forms) a world that includes it."""
-        self.quorum.join({"host": socket.gethostname(), "pid": os.getpid(),
-                          "started_at": time.time()})
+        """Waits for (or forms) a world that includes this worker (after :meth:`register`)."""
+        self.quorum.set_ready()
         deadline = time.monotonic() + timeout.total_seconds()
         while True:
             self._exit_if_done()
@@ -233,17 +265,43 @@ class InPlaceController:
                 set_timeout(self.train_timeout, groups.checkpoint)
         self.world = world
         self.reconfigurations += 1
+        # Learn which peers answer a liveness probe, so that their refusal is trusted later.
+        self.probes.learn_in_background(self._probe_addresses(world.members).values())
         logger.info("world epoch %d built in %.3fs: rank %d of %d", world.epoch,
                     time.monotonic() - started, rank, len(world.members))
         return groups
+
+    def _probe_addresses(self, members: tuple[str, ...]) -> dict[str, tuple[str, int]]:
+        """Member id -> liveness address, for the other members that published one."""
+        found = {}
+        for member in members:
+            info = self.quorum.member_info(member) if member != self.me else None
+            if info and isinstance(info.get("probe_port"), int):
+                found[member] = (str(info["host"]), int(info["probe_port"]))
+        return found
+
+    def _remove_dead(self, members: set[str]) -> None:
+        """Deletes the member keys of ``members`` whose process is certainly gone."""
+        live = set(self.quorum.live_members())
+        addresses = self._probe_addresses(tuple(sorted(members & live)))
+        gone = self.probes.dead(addresses.values())
+        for member, address in addresses.items():
+            if address in gone:
+                logger.warning("worker %s is gone (its liveness port %s:%d refuses); removing "
+                               "its member key instead of waiting for its lease", member,
+                               *address)
+                self.quorum.remove(member)
 
     def _next_world(self, *, after_failure: bool) -> WorldView:
         """Proposes or adopts the world after the current one (see the package docstring)."""
         current_epoch = max(self.world.epoch if self.world else 0, self._tried_epoch)
         old = set(self.world.members) if self.world else set()
         if after_failure:
-            # A dead worker's key goes when its agent deletes it (a worker kill: ~0.1 s) or
-            # its lease expires (a node loss: <= ttl). Wait for that, not longer.
+            # A dead worker's key goes when its agent deletes it (a worker kill: ~0.1 s), when
+            # a survivor finds its liveness port closed (a node's process tree killed: one
+            # probe), or when its lease expires (a host gone silent: <= ttl). Wait for the
+            # first of these, not longer.
+            self._remove_dead(old - {self.me})
             self.quorum.wait_until(
                 lambda q: set(q.live_members()) != old
                 or ((w := q.world()) is not None and w.epoch > current_epoch),
@@ -293,6 +351,13 @@ class InPlaceController:
     def restore(self, loop: ElasticLoop) -> None:
         """Agrees on the step with the world and heals, or restores from storage."""
         self.global_batch = loop.global_batch_size
+        if self.deferred:
+            # A joiner: its model is built now, so the survivors need not wait for it.
+            self.deferred = False
+            started = time.monotonic()
+            self._install(self.join(self.join_timeout))
+            logger.info("admitted to world epoch %d in %.3fs after entering the loop",
+                        self.world.epoch if self.world else -1, time.monotonic() - started)
         self._heal(loop)
 
     def _heal(self, loop: ElasticLoop) -> None:
@@ -362,6 +427,8 @@ class InPlaceController:
         except Exception:  # the job is over either way; spares time out
             logger.warning("could not record the end of the job in etcd", exc_info=True)
         self.quorum.leave()
+        if self.liveness is not None:
+            self.liveness.close()
 
 
 def init_inplace(backend: str, device: torch.device, *, init_timeout: timedelta,
@@ -386,9 +453,22 @@ def init_inplace(backend: str, device: torch.device, *, init_timeout: timedelta,
     controller = InPlaceController(
         quorum, store, backend=backend, device=device, build_timeout=build_timeout,
         train_timeout=train_timeout, initial_world_size=base.world_size,
+        liveness=LivenessSocket(),
     )
-    groups = controller.join(init_timeout)
-    assert controller.world is not None
+    controller.join_timeout = init_timeout
+    running = controller.register()
+    if running is None:
+        groups = controller.join(init_timeout)
+        assert controller.world is not None
+        rank, world_size, epoch = controller.rank, len(controller.world.members), \
+            controller.world.epoch
+    else:
+        # Until the loop admits it, a joiner stands alone on local groups, with the last rank
+        # of the running world as a provisional rank (so that "rank 0 only" set-up code does
+        # not run on it) and that world's size (which divides the global batch).
+        groups = standby_groups(backend, device, build_timeout)
+        world_size, epoch = len(running.members), running.epoch
+        rank = world_size - 1
     marker = os.environ.get(env.INPLACE_MARKER, "")
     if marker:  # tells the agent (auto mode) that this job's workers run in place
         try:
@@ -396,15 +476,19 @@ def init_inplace(backend: str, device: torch.device, *, init_timeout: timedelta,
                 pass
         except OSError as exc:
             logger.warning("could not create the in-place marker %s (%s)", marker, exc)
-    world = World(rank=controller.rank, world_size=len(controller.world.members),
+    world = World(rank=rank, world_size=world_size,
                   local_rank=base.local_rank, local_world_size=base.local_world_size,
-                  group_rank=base.group_rank, round=controller.world.epoch,
+                  group_rank=base.group_rank, round=epoch,
                   restart_count=base.restart_count, run_id=run_id)
     # No lower_timeouts barrier: a joiner's first step is not the survivors' first step.
     ctx = ElasticContext(world, groups, device, train_timeout=None)
-    ctx.generation = controller.world.epoch
+    ctx.generation = epoch
     ctx.inplace = controller
     controller.ctx = ctx
-    logger.info("joined in-place world epoch %d of run %s as rank %d of %d (backend %s)",
-                controller.world.epoch, run_id, world.rank, world.world_size, backend)
+    if running is None:
+        logger.info("joined in-place world epoch %d of run %s as rank %d of %d (backend %s)",
+                    epoch, run_id, world.rank, world.world_size, backend)
+    else:
+        logger.info("run %s trains world epoch %d (%d ranks): this worker joins when its "
+                    "training loop starts", run_id, epoch, world_size)
     return ctx

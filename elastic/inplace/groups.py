@@ -22,18 +22,17 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import PrefixStore
+from torch._C._distributed_c10d import HashStore, PrefixStore, Store
 
 from elastic.process_group import ProcessGroups
-from elastic.store import EtcdV3Store
 
-__all__ = ["abort_groups", "build_groups"]
+__all__ = ["abort_groups", "build_groups", "standby_groups"]
 
 logger = logging.getLogger(__name__)
 
 
 def build_groups(
-    backend: str, *, store: EtcdV3Store, epoch: int, rank: int, world_size: int,
+    backend: str, *, store: Store, epoch: int, rank: int, world_size: int,
     device: torch.device, timeout: timedelta,
 ) -> ProcessGroups:
     """Initialises the default group and a gloo checkpoint group for world ``epoch``.
@@ -55,6 +54,16 @@ def build_groups(
     assert default is not None
     checkpoint = dist.new_group(backend="gloo", timeout=timeout)
     return ProcessGroups(backend=backend, default=default, checkpoint=checkpoint)
+
+
+def standby_groups(backend: str, device: torch.device, timeout: timedelta) -> ProcessGroups:
+    """Groups of a world of this process alone, on a local store: a joiner's until admitted.
+
+    They let ``elastic.init()`` return before the joiner is admitted (scripts may build a
+    ``CheckpointManager`` on ``ctx.checkpoint_group``); admission destroys them.
+    """
+    return build_groups(backend, store=HashStore(), epoch=0, rank=0, world_size=1,
+                        device=device, timeout=timeout)
 
 
 def _reset_group_names() -> None:

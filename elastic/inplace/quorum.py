@@ -2,9 +2,11 @@
 
 Keys of a job (``base = {key_prefix}/{run_id}/inplace/``)::
 
-    {base}members/{host}-{agent_pid}-{pid}   JSON {host, pid, agent_pid, started_at}, on the
-                                             worker's own lease (TTL ``ttl``, kept alive by a
-                                             daemon thread): the worker is alive
+    {base}members/{host}-{agent_pid}-{pid}   JSON {host, pid, started_at, probe_port, ready},
+                                             on the worker's own lease (TTL ``ttl``, kept
+                                             alive by a daemon thread): the worker is alive;
+                                             ``ready: false`` while a joiner is still building
+                                             its model (it is not a member yet)
     {base}world                              JSON {epoch, members}: the current world; rank =
                                              index in ``members``
     {base}done                               JSON {step}: training finished (waiting spares exit)
@@ -70,6 +72,14 @@ def node_member_prefix(key_prefix: str, run_id: str, agent_pid: int,
     """The prefix of every member key of one agent's workers (what the agent deletes)."""
     return (f"{inplace_prefix(key_prefix, run_id)}{_MEMBERS}"
             f"{host or socket.gethostname()}-{agent_pid}-")
+
+
+def _is_ready(kv: KeyValue) -> bool:
+    """Whether a member key's worker can be admitted (``ready`` absent means it can)."""
+    try:
+        return json.loads(kv.value).get("ready", True) is not False
+    except (ValueError, AttributeError):
+        return True  # not ours to judge: count it, as before readiness existed
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,6 +158,15 @@ class WorkerQuorum:
         except Exception:
             logger.exception("registering again after losing the member lease failed")
 
+    def member_info(self, member: str) -> dict[str, Any] | None:
+        """The JSON a live member published when it joined (from the watch mirror)."""
+        kv = self.watch.items().get(self.base + _MEMBERS + member)
+        return None if kv is None else dict(json.loads(kv.value))
+
+    def remove(self, member: str) -> None:
+        """Deletes another member's key: for a worker known to be dead (its lease still runs)."""
+        self.client.delete(self.base + _MEMBERS + member)
+
     def registered(self) -> bool:
         """Whether this worker's member key exists (from the watch mirror)."""
         return self.base + _MEMBERS + self.me in self.watch.items()
@@ -169,14 +188,24 @@ class WorkerQuorum:
             raise RuntimeError("WorkerQuorum.join() must be called first")
         return self._watch
 
+    def set_ready(self) -> None:
+        """Marks this worker ready to be admitted (a joiner that reached its training loop)."""
+        if self._info.get("ready") is not False:
+            return
+        self._info["ready"] = True
+        assert self._lease is not None
+        self.client.put(self.base + _MEMBERS + self.me, json.dumps(self._info).encode(),
+                        lease=self._lease.id)
+
     def _members_of(self, items: Mapping[str, KeyValue]) -> tuple[str, ...]:
         prefix = self.base + _MEMBERS
-        found = [kv for key, kv in items.items() if key.startswith(prefix)]
+        found = [kv for key, kv in items.items()
+                 if key.startswith(prefix) and _is_ready(kv)]
         found.sort(key=lambda kv: kv.create_revision)
         return tuple(kv.key[len(prefix):] for kv in found)
 
     def live_members(self, *, fresh: bool = False) -> tuple[str, ...]:
-        """Live member ids in join order; ``fresh`` reads etcd instead of the watch mirror."""
+        """Live, ready member ids in join order; ``fresh`` reads etcd, not the watch mirror."""
         if fresh:
             return self._members_of({kv.key: kv for kv in self.client.get_prefix(self.base)})
         return self._members_of(self.watch.items())

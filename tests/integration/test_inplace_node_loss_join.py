@@ -1,14 +1,15 @@
 """Acceptance 2 of in-place reconfiguration: a node lost and a node joining.
 
 Two ``elastic-run --elastic-mode inplace`` agents train; node 1 is lost (its agent and worker
-SIGKILLed together, so nobody deletes the worker's member key: the survivor notices when the
-key's lease expires). The survivor goes on alone in place; then a new node starts and its
-worker is admitted at a step boundary and healed by the survivor.
+SIGKILLed together, so nobody on that node deletes the worker's member key: the survivor finds
+its liveness port closed and deletes it). The survivor goes on alone in place; then a new node
+starts, builds its model slowly (``--setup-delay``), and its worker is admitted at a step
+boundary once it enters its loop, and healed by the survivor.
 
-Checks: the survivor's pid never changes and it is in every world; the joiner's state came
-from the survivor and it read no checkpoint (its loop's storage-load counter is 0); at most
-one completed step was redone; exactly-once per step; final weights equal an undisturbed
-run's within 1e-5.
+Checks: the survivor's pid never changes and it is in every world; it kept training while the
+joiner built its model; the joiner's state came from the survivor and it read no checkpoint
+(its loop's storage-load counter is 0); at most one completed step was redone; exactly-once
+per step; final weights equal an undisturbed run's within 1e-5.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ pytestmark = [pytest.mark.etcd, pytest.mark.slow]
 
 KILL_AFTER = 8
 STEP_TIME = 0.05
+SETUP_DELAY = 3.0
 
 
 @dataclass
@@ -73,7 +75,12 @@ def _scenario(tmp: Path, endpoint: str) -> Iterator[Outcome]:
         job.wait_for(lambda a: job.current_world(a)[1] == {survivor_pid},
                      "the survivor to train alone")
         before = set(job.audit().pids_by_gen()[job.current_world(job.audit())[0]])
-        job.start_node(STEP_TIME)  # a new node joins
+        job.start_node(STEP_TIME, setup_delay=SETUP_DELAY)  # a new node joins
+        # Release a few steps once the joiner is building its model: the survivor must be
+        # able to train them meanwhile (a joiner is admitted from its loop, not from init).
+        job.wait_for(lambda a: any(s["phase"] == "began" for s in a.setups),
+                     "the joiner to start building its model")
+        job.open_gate(KILL_AFTER + 8)
         gen_pids = job.wait_for(
             lambda a: (w := job.current_world(a))[1] - before - {lost_pid} and w[1],
             "the new node's worker to be admitted",
@@ -105,6 +112,16 @@ def test_survivor_stays_and_the_weights_match_the_undisturbed_run(outcome: Outco
     weights = torch.load(outcome.job.weights, weights_only=True)
     worst = max((steady[k] - weights[k]).abs().max().item() for k in steady)
     assert worst < 1e-5, f"final weights differ by {worst}"
+
+
+def test_the_survivor_kept_training_while_the_joiner_built_its_model(outcome: Outcome) -> None:
+    audit = outcome.job.audit()
+    (began,) = [s["t"] for s in audit.setups if s["phase"] == "began"]
+    (ended,) = [s["t"] for s in audit.setups if s["phase"] == "ended"]
+    # Only the survivor trains then (the lost node is dead, the joiner is not in its loop).
+    during = [d["step"] for d in audit.done if began < d["t"] < ended]
+    assert during, (f"no step completed while the joiner built its model "
+                    f"({ended - began:.1f} s): the survivor waited for it")
 
 
 def test_the_joiner_is_healed_by_the_survivor_without_reading_storage(outcome: Outcome) -> None:

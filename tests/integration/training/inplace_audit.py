@@ -24,6 +24,7 @@ class Audit:
     gens: list[dict[str, Any]]  # the "gen" records, in file order per process
     batches: list[dict[str, Any]]
     done: list[dict[str, Any]]
+    setups: list[dict[str, Any]]  # "setup" records: a worker's time between init and loop
 
     def pids_by_gen(self) -> dict[int, set[int]]:
         out: dict[int, set[int]] = defaultdict(set)
@@ -57,15 +58,19 @@ class Audit:
 
 
 def read_audit(audit_dir: Path) -> Audit:
-    gens, batches, done = [], [], []
+    gens: list[dict[str, Any]] = []
+    batches: list[dict[str, Any]] = []
+    done: list[dict[str, Any]] = []
+    setups: list[dict[str, Any]] = []
     for path in sorted(audit_dir.glob("pid*.jsonl")):
         for line in path.read_text().splitlines():
             try:
                 record = json.loads(line)
             except ValueError:
                 continue  # a line cut by SIGKILL
-            {"gen": gens, "batch": batches, "done": done}[record["kind"]].append(record)
-    return Audit(gens, batches, done)
+            {"gen": gens, "batch": batches, "done": done,
+             "setup": setups}[record["kind"]].append(record)
+    return Audit(gens, batches, done, setups)
 
 
 def check_exactly_once(audit: Audit, *, steps: int, global_batch: int, dataset: int,

@@ -48,13 +48,15 @@ class InPlaceJob:
         tmp.write_text(str(up_to))
         os.replace(tmp, self.gate)
 
-    def start_node(self, step_time: float = 0.0, *extra: str) -> Agent:
+    def start_node(self, step_time: float = 0.0, *extra: str,
+                   setup_delay: float = 0.0) -> Agent:
         args = [
             str(WORKER), "--checkpoint-dir", str(self.root / "ckpt"),
             "--audit-dir", str(self.audit_dir), "--steps", str(self.steps),
             "--interval", str(INTERVAL), "--global-batch", str(GLOBAL_BATCH),
             "--dataset-size", str(DATASET), "--step-time", str(step_time),
             "--gate-file", str(self.gate), "--weights-out", str(self.weights),
+            "--setup-delay", str(setup_delay),
         ]
         mode = ("--elastic-mode", self.mode) if self.mode else ()
         return self.cluster.start_elastic(*mode, *self.flags, *extra, worker_args=args)

@@ -6,8 +6,10 @@ Each process appends JSON lines to ``<audit-dir>/pid<PID>.jsonl``:
   "source"}`` whenever it starts training in a new world (after the heal);
 * ``{"kind": "batch", "gen", "step", "rank", "ids"}`` for each micro-batch, *before* its
   backward pass, so that a step some rank completed has every rank's ids logged;
-* ``{"kind": "done", "gen", "step", "rank", "world"}`` after ``optimizer.step()``.
+* ``{"kind": "done", "gen", "step", "rank", "world", "t"}`` after ``optimizer.step()``;
+* ``{"kind": "setup", "pid", "phase": "began"|"ended", "t"}`` around ``--setup-delay``.
 
+``--setup-delay S`` sleeps between ``elastic.init()`` and the loop (a slow model build).
 ``--step-time S`` sleeps at the start of every step (kills from outside land mid-step).
 ``--gate-file PATH`` holds step ``s`` until the file holds a number above ``s``, or until a
 worker waits to be admitted (it is admitted at the end of the released step).
@@ -61,6 +63,7 @@ def main() -> int:
     parser.add_argument("--weights-out", default="")
     parser.add_argument("--step-time", type=float, default=0.0)
     parser.add_argument("--gate-file", default="")
+    parser.add_argument("--setup-delay", type=float, default=0.0)
     args = parser.parse_args()
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # debugging a hang: kill -USR1
     logging.basicConfig(level=os.environ.get("LOGLEVEL", "INFO").upper(),
@@ -77,6 +80,14 @@ def main() -> int:
                                    round=ctx.round)
     audit_path = Path(args.audit_dir) / f"pid{os.getpid()}.jsonl"
     audit_path.parent.mkdir(parents=True, exist_ok=True)
+    if args.setup_delay:
+        with audit_path.open("a") as audit:
+            for phase in ("began", "ended"):
+                if phase == "ended":
+                    time.sleep(args.setup_delay)
+                audit.write(json.dumps({"kind": "setup", "pid": os.getpid(), "phase": phase,
+                                        "t": time.time()}) + "\n")
+                audit.flush()
     with audit_path.open("a") as audit, elastic.ElasticLoop(
         ctx, state={"train": ModelOptimizerState(model, optimizer), "scheduler": scheduler},
         checkpoint=checkpoint, sampler=sampler, max_steps=args.steps,
@@ -115,7 +126,7 @@ def main() -> int:
                 optimizer.zero_grad(set_to_none=True)
                 scheduler.step()
                 log(kind="done", gen=ctx.generation, step=step, rank=ctx.rank,
-                    world=ctx.world_size)
+                    world=ctx.world_size, t=time.time())
                 loop.end_step()
         print(f"[inplace-worker] pid={os.getpid()} rank={ctx.rank} stopped at step "
               f"{loop.step}", flush=True)
