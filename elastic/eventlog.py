@@ -36,6 +36,8 @@ job_finished           (this node's workers finished the job)
 agent_exited           outcome: succeeded, failed, departed, signal or rendezvous_error;
                        exit_code
 step                   step, duration_s (compute time of the step), world (global rank 0 only)
+peer_failed            step, error (in place: a collective of the step failed because a peer
+                       died; every survivor records it)
 checkpoint             step, blocked_s (time the loop waited on the save), final, wait
                        ("commit": waiting for an earlier save's commit, not starting one)
 restored               step (where training resumes), found (a checkpoint was loaded),

@@ -409,6 +409,10 @@ class ElasticLoop:
                 module = getattr(entry, "model", entry)
                 if isinstance(module, torch.nn.Module):
                     module.zero_grad(set_to_none=True)  # the step's partial gradients
+            # Every survivor records it (rank 0 may be the one that died); the report takes
+            # the first, as the moment the failure was noticed.
+            self._events.record("peer_failed", step=self.step,
+                                error=str(exc).splitlines()[0][:200])
             self._inplace.abandon(exc)
 
     def data_parallel(self, model: torch.nn.Module, **kwargs: Any) -> torch.nn.Module:

@@ -19,8 +19,9 @@
   exit barrier); the parts add up to the wall time;
 * the membership changes, each with its recovery time split the same way: *detection* from
   the last step before the change to the first agent that noticed it (a ``worker_failed``,
-  ``node_lost``, ``peer_departed`` or ``planned_departure`` event; zero for a joining node,
-  which nobody has to detect), *rendezvous* from there to the new round's start, *restore*
+  ``node_lost``, ``peer_departed`` or ``planned_departure`` event), or, in place, to the first
+  worker whose collective failed (``peer_failed``); zero for a joining node, which nobody has
+  to detect; *rendezvous* from there to the new round's start, *restore*
   from the round's start to its first step's start (new workers, process group, checkpoint
   load; ``load_s`` is the checkpoint load alone). The job's start counts as rendezvous (first
   agent start to the first round) and restore (to the first step);
@@ -56,9 +57,11 @@ from elastic.eventlog import read_events
 
 logger = logging.getLogger(__name__)
 _UNSAFE: Final = re.compile(r"[^A-Za-z0-9_.-]+")
-_REASON_ORDER: Final = ("planned_departure", "node_lost", "worker_failed", "node_joined",
-                        "start")
+_REASON_ORDER: Final = ("planned_departure", "node_lost", "worker_failed", "peer_failed",
+                        "node_joined", "start")
 _NOTICED: Final = ("worker_failed", "node_lost", "peer_departed", "planned_departure")
+#: Noticed by the workers themselves (in place), before any agent does.
+_NOTICED_BY_WORKERS: Final = ("peer_failed",)
 #: Parts of the wall time, in the order they are printed and plotted.
 PARTS: Final = ("productive", "recomputed", "checkpoint", "detection", "rendezvous", "restore",
                 "other")
@@ -316,7 +319,8 @@ def _split(
         if isinstance(s.get("world"), int):
             world_of.setdefault(label, s["world"])
     trained = sorted(first_start, key=lambda label: first_start[label])
-    noticed = sorted((float(e["time"]), str(e["event"])) for e in _of(agent, *_NOTICED))
+    noticed = sorted((float(e["time"]), str(e["event"])) for e in
+                     [*_of(agent, *_NOTICED), *_of(events, *_NOTICED_BY_WORKERS)])
     changes: list[Change] = []
     if trained:
         # The start: first agent up to the first round (rendezvous), then to the first step.

@@ -153,3 +153,28 @@ def test_an_exiting_agent_writes_the_summary_as_json_and_text(
     assert len(goodput.load(str(events_dir))) == 1  # the JSON is not read back as events
     assert goodput.write_summary(str(events_dir), "other", out=out) is None
     assert goodput.write_summary(str(tmp_path / "missing"), "exp", out=out) is None
+
+
+def test_a_failure_the_workers_recover_from_before_any_agent_notices_is_named_by_them(
+    tmp_path: Path,
+) -> None:
+    # In place a lost node's worker is known dead from its closed liveness port within a
+    # step: the survivors record peer_failed and train on; the agents see nothing in time.
+    agent = [{"time": T0 + t, "source": "agent", "node": "a/1", "event": kind, **fields}
+             for t, kind, fields in (
+                 (0, "agent_started", {}),
+                 (1, "round_started", {"round": 0, "world": 3, "reason": "start"}),
+                 (20, "agent_exited", {"outcome": "succeeded", "exit_code": 0}))]
+    steps = [{"time": T0 + t, "source": "worker", "node": "a/1", "event": "step",
+              "round": epoch, "step": i, "duration_s": 0.5, "world": world}
+             for i, (t, epoch, world) in enumerate(
+                 [(2 + k, 7, 3) for k in range(8)] + [(10.5 + k, 8, 2) for k in range(8)])]
+    failed = [{"time": T0 + 9.25, "source": "worker", "node": "a/1", "event": "peer_failed",
+               "round": 7, "step": 8, "error": "Connection closed by peer"}]
+    (tmp_path / "a.jsonl").write_text("\n".join(
+        json.dumps({"v": 1, "job": "exp", "round": None, **e})
+        for e in agent + steps + failed) + "\n")
+    (change,) = _report(tmp_path).changes
+    assert (change.reason, change.world_before, change.world_after) == ("peer_failed", 3, 2)
+    # Detection: last step end (9) to the failure (9.25); no agent round: the rest is restore.
+    assert (change.detection_s, change.rendezvous_s, change.restore_s) == (0.25, 0.0, 0.75)
