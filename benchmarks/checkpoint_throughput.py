@@ -24,7 +24,11 @@ written under a temporary directory that is removed at the end.
 Usage::
 
     python benchmarks/checkpoint_throughput.py --sizes 300,1500 --repeats 3 --s3-size 300 \\
-        [--out results.md] [--tmp-dir /path/on/the/disk/to/measure]
+        [--out results.md] [--json results.json] [--tmp-dir /path/on/the/disk/to/measure]
+
+``--json`` writes the medians (and every measured repeat) per size and method:
+``{"repeats", "settle", "local": [{"size_mib", "bytes", "methods": {name: {"blocking_s",
+"durable_s", "blocking", "durable"}}}], "s3": the same for the S3 run, or null}``.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import json
 import os
 import shutil
 import socket
@@ -365,6 +370,23 @@ def report(
     return "\n".join(lines) + "\n"
 
 
+def results_json(
+    local: list[tuple[int, int, dict[str, Timing]]],
+    s3: tuple[int, int, dict[str, Timing]] | None,
+) -> dict[str, Any]:
+    """The measured medians (and raw repeats) as a JSON-ready dict; see the module docstring."""
+
+    def one(mib: int, size: int, timings: dict[str, Timing]) -> dict[str, Any]:
+        methods = {
+            name: {"blocking_s": t.block_med, "durable_s": t.durable_med,
+                   "blocking": list(t.blocking), "durable": list(t.durable)}
+            for name, t in timings.items()
+        }
+        return {"size_mib": mib, "bytes": size, "methods": methods}
+
+    return {"local": [one(*row) for row in local], "s3": one(*s3) if s3 else None}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument(
@@ -376,6 +398,7 @@ def main(argv: list[str] | None = None) -> int:
         "--settle", type=float, default=1.0, help="quiet seconds before each measured save"
     )
     parser.add_argument("--out", help="also write the Markdown table to this file")
+    parser.add_argument("--json", help="also write the medians as JSON to this file")
     parser.add_argument("--tmp-dir", help="where to write (default: the system temp dir)")
     args = parser.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",") if s.strip()]
@@ -408,6 +431,9 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     if args.out:
         Path(args.out).write_text(text)
+    if args.json:
+        data = {"repeats": args.repeats, "settle": args.settle, **results_json(local, s3)}
+        Path(args.json).write_text(json.dumps(data, indent=1))
     return 0
 
 

@@ -1,0 +1,669 @@
+"""Every benchmark in one go, side by side with torchrun and the physical floors: one table.
+
+Runs each script of ``benchmarks/`` as a subprocess (this interpreter, from the repository
+root, with a timeout), passing ``--json`` to a file in a work directory it prints; each
+script's stdout (its own Markdown table) and stderr go to log files there. From the JSON files
+it builds ONE summary table, a row per headline figure::
+
+    | benchmark | measure | elastic-run | baseline | ratio | goal | met? |
+
+where the baseline is torchrun, c10d, DCP ``async_save``, the copy or disk floor, or raw s3fs
+puts, and the goals are those set in the issues (checkpoint blocking <= 1.5x the copy floor,
+durable <= 1.3x the disk floor and <= 1.3x raw s3fs puts; goodput >= 0.95 and above
+torchrun's). Below it come each benchmark's own detailed table, then the command line, date,
+commit and machine. A benchmark that fails or times out is shown as failed (with its log) and
+the others still run.
+
+Two presets: the default runs the settings each script's docstring gives for the published
+figures (about an hour and a half on 2 cores); ``--quick`` runs small settings for a smoke
+check (minutes). The table is printed, and written to ``benchmarks/RESULTS.md`` when every
+chosen benchmark succeeded under the full preset; ``--out FILE`` writes it in every case (so a
+quick or failed run never overwrites the published table by accident).
+
+Usage::
+
+    python benchmarks/run_all.py [--quick] [--only rendezvous,checkpoint] [--out FILE]
+        [--workdir DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.metadata
+import json
+import math
+import os
+import platform
+import re
+import shlex
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, replace
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT_DIR = REPO / "benchmarks"
+DEFAULT_OUT = SCRIPT_DIR / "RESULTS.md"
+#: After a timeout, how long a benchmark gets to stop its agents and etcd (SIGINT runs its
+#: ``finally`` blocks) before its whole process tree is SIGKILLed.
+STOP_GRACE_S = 30.0
+MiB = 1 << 20
+
+# Goals set in the issues.
+CKPT_BLOCKING_GOAL = 1.5  # ours blocking / copy floor
+CKPT_DURABLE_GOAL = 1.3  # ours durable / disk floor, and ours on S3 / raw s3fs puts
+GOODPUT_GOAL = 0.95  # and above torchrun's
+
+# Names the scripts write into their JSON (tests check they still occur in the scripts).
+CKPT_COPY_FLOOR = "floor: copy into reused host memory"
+CKPT_DISK_FLOOR = "floor: raw write + fsync"
+CKPT_DCP_ASYNC = "DCP async_save"
+CKPT_OURS = "ours (CheckpointManager)"
+CKPT_S3_RAW = "s3: raw s3fs puts (4 in parallel)"
+CKPT_S3_OURS = "s3: ours"
+PHASE_LABELS = {"worker_kill": "worker SIGKILL", "node_loss": "node loss"}
+
+
+# -------------------------------------------------------------------------------- summary rows
+
+
+@dataclass(frozen=True)
+class Row:
+    """One headline figure of the summary table (or a benchmark that produced none).
+
+    Attributes:
+        benchmark: Short benchmark name (``recovery``, ``checkpoint``...).
+        measure: What is compared, with its conditions.
+        ours: elastic-run's value, or ``None`` when it was not measured.
+        baseline: The baseline's value, or ``None``.
+        baseline_name: What the baseline is (``torchrun``, ``copy floor``...).
+        unit: ``"s"``, ``""`` (a fraction), ``"steps"``.
+        speedup: The ratio is ``baseline / ours`` (a speed-up) instead of ``ours / baseline``.
+        goal: The goal in words, empty when the issues set none.
+        met: Whether the goal is met; ``None`` without a goal or without the values.
+        ours_note: Appended to elastic-run's cell (runs measured, hangs, faults).
+        baseline_note: Appended to the baseline's cell.
+        failed: Why the benchmark gave no figures (then the other fields are unused).
+    """
+
+    benchmark: str
+    measure: str
+    ours: float | None = None
+    baseline: float | None = None
+    baseline_name: str = ""
+    unit: str = "s"
+    speedup: bool = False
+    goal: str = ""
+    met: bool | None = None
+    ours_note: str = ""
+    baseline_note: str = ""
+    failed: str = ""
+
+    @property
+    def ratio(self) -> float | None:
+        """``ours / baseline``, or ``baseline / ours`` for a speed-up; ``None`` if undefined."""
+        if self.ours is None or self.baseline is None:
+            return None
+        num, den = (self.baseline, self.ours) if self.speedup else (self.ours, self.baseline)
+        return num / den if den > 0 else None
+
+
+def _median(values: Iterable[float | None]) -> float | None:
+    vals = [float(v) for v in values if v is not None and not math.isnan(float(v))]
+    return statistics.median(vals) if vals else None
+
+
+def _at_most(ratio: float | None, limit: float) -> bool | None:
+    return None if ratio is None else ratio <= limit
+
+
+def _runs_note(measured: int, total: int, hung: int) -> str:
+    """Says how many runs a median is of, when not all of them."""
+    if measured == total and not hung:
+        return ""
+    note = f"{measured} of {total} runs"
+    return f"{note}, {hung} hung" if hung else note
+
+
+def _phase(runs: list[dict[str, Any]], launcher: str, phase: str,
+           key: str = "times") -> tuple[float | None, str]:
+    """Median of ``run[key][phase]`` over ``launcher``'s runs, and a note on runs missing."""
+    mine = [r for r in runs if r.get("launcher") == launcher]
+    vals = [float(r[key][phase]) for r in mine if phase in r.get(key, {})]
+    hung = sum(1 for r in mine if phase in r.get("hung", []))
+    return _median(vals), _runs_note(len(vals), len(mine), hung)
+
+
+def recovery_rows(runs: list[dict[str, Any]], stdout: str = "") -> list[Row]:
+    """Rows of ``recovery_vs_torchrun.py --json`` (a list of its ``Run`` dicts).
+
+    Per recovery phase, elastic-run's median against each torchrun variant that ran; the
+    ratio is the speed-up (torchrun / elastic-run).
+    """
+    del stdout
+    launchers = {r.get("launcher") for r in runs}
+    baselines = [(name, label) for name, label in (
+        ("torchrun-default", "torchrun"),
+        ("torchrun-noshare", "torchrun, TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"),
+    ) if name in launchers]
+    if "elastic-run" not in launchers:
+        return []
+    rows = []
+    for phase in ("worker_kill", "node_loss"):
+        ours, ours_note = _phase(runs, "elastic-run", phase)
+        for name, label in baselines:
+            base, base_note = _phase(runs, name, phase)
+            rows.append(Row("recovery", f"{PHASE_LABELS[phase]}: kill to first step, median",
+                            ours, base, label, speedup=True, ours_note=ours_note,
+                            baseline_note=base_note))
+    return rows
+
+
+def inplace_rows(runs: list[dict[str, Any]], stdout: str = "") -> list[Row]:
+    """Rows of ``inplace_vs_torchrun.py --json`` (a list of its ``Run`` dicts).
+
+    Per phase: recovery of elastic-run in place and in restart mode against torchrun (the
+    speed-up), and steps redone in place against torchrun.
+    """
+    del stdout
+    launchers = {r.get("launcher") for r in runs}
+    if "torchrun" not in launchers:
+        return []
+    rows = []
+    for ours_name, label in (("elastic-run-inplace", "in place"),
+                             ("elastic-run-restart", "restart mode")):
+        if ours_name not in launchers:
+            continue
+        for phase in ("worker_kill", "node_loss"):
+            ours, ours_note = _phase(runs, ours_name, phase)
+            base, base_note = _phase(runs, "torchrun", phase)
+            rows.append(Row("inplace", f"{PHASE_LABELS[phase]}: recovery, {label}, median",
+                            ours, base, "torchrun", speedup=True, ours_note=ours_note,
+                            baseline_note=base_note))
+    if "elastic-run-inplace" in launchers:
+        for phase in ("worker_kill", "node_loss"):
+            ours, ours_note = _phase(runs, "elastic-run-inplace", phase, "redone")
+            base, base_note = _phase(runs, "torchrun", phase, "redone")
+            rows.append(Row("inplace", f"{PHASE_LABELS[phase]}: steps redone, in place, median",
+                            ours, base, "torchrun", unit="steps", ours_note=ours_note,
+                            baseline_note=base_note))
+    return rows
+
+
+_FLOOR_LINE = re.compile(r"etcd write floor: ([0-9.]+) puts/s.* at N=(\d+)")
+
+
+def rendezvous_rows(rounds: list[dict[str, Any]], stdout: str = "") -> list[Row]:
+    """Rows of ``rendezvous_scale.py --json`` (a list of its ``RoundResult`` dicts).
+
+    Per N: the etcd-v3 round time against c10d's (ours / c10d), and, from the write floors the
+    script prints to stdout, against the time its CAS writes alone take at etcd's sequential
+    put rate (ours / floor).
+    """
+    floors: dict[int, list[float]] = {}
+    for m in _FLOOR_LINE.finditer(stdout):
+        floors.setdefault(int(m.group(2)), []).append(float(m.group(1)))
+    rows = []
+    for n in sorted({int(r["nodes"]) for r in rounds}):
+        def of(backend: str, field: str, n: int = n) -> float | None:
+            return _median(r[field] for r in rounds
+                           if r["backend"] == backend and int(r["nodes"]) == n)
+
+        ours, base = of("etcd-v3", "round_s"), of("c10d", "round_s")
+        ours_err, base_err = of("etcd-v3", "errors"), of("c10d", "errors")
+        ours_note = f"{ours_err:.0f} errors" if ours_err else ""
+        base_note = f"{base_err:.0f} errors" if base_err else ""
+        if ours is None and base is None:
+            continue
+        rows.append(Row("rendezvous", f"round time, N={n}, median", ours, base, "c10d",
+                        ours_note=ours_note, baseline_note=base_note))
+        rate, writes = _median(floors.get(n, [])), of("etcd-v3", "cas_writes")
+        if rate and writes is not None:
+            rows.append(Row(
+                "rendezvous", f"round time, N={n}, vs its {writes:.0f} CAS writes at etcd's "
+                f"sequential put rate ({rate:.0f}/s)", ours, writes / rate, "etcd write floor",
+                ours_note=ours_note))
+    return rows
+
+
+def checkpoint_rows(data: dict[str, Any], stdout: str = "") -> list[Row]:
+    """Rows of ``checkpoint_throughput.py --json`` (see its module docstring for the shape).
+
+    Per size: ours against the copy floor (blocking) and the disk floor (durable), with the
+    goals, and against DCP ``async_save`` (the speed-up); on S3, ours against raw s3fs puts.
+    """
+    del stdout
+    rows = []
+    for entry in data.get("local", []):
+        m = entry["methods"]
+        size = f"{entry['bytes'] / MiB:.0f} MiB"
+        ours = m[CKPT_OURS]
+        block = Row("checkpoint", f"blocking (training thread), {size}",
+                    ours["blocking_s"], m[CKPT_COPY_FLOOR]["blocking_s"], "copy floor",
+                    goal=f"<= {CKPT_BLOCKING_GOAL:g}x copy floor")
+        durable = Row("checkpoint", f"durable (fsynced, committed), {size}",
+                      ours["durable_s"], m[CKPT_DISK_FLOOR]["durable_s"], "disk floor",
+                      goal=f"<= {CKPT_DURABLE_GOAL:g}x disk floor")
+        rows += [
+            _with_met(block, _at_most(block.ratio, CKPT_BLOCKING_GOAL)),
+            Row("checkpoint", f"blocking (training thread), {size}", ours["blocking_s"],
+                m[CKPT_DCP_ASYNC]["blocking_s"], "DCP async_save", speedup=True),
+            _with_met(durable, _at_most(durable.ratio, CKPT_DURABLE_GOAL)),
+            Row("checkpoint", f"durable (fsynced, committed), {size}", ours["durable_s"],
+                m[CKPT_DCP_ASYNC]["durable_s"], "DCP async_save", speedup=True),
+        ]
+    s3 = data.get("s3")
+    if s3:
+        m = s3["methods"]
+        row = Row("checkpoint", f"durable on S3 (moto server), {s3['bytes'] / MiB:.0f} MiB",
+                  m[CKPT_S3_OURS]["durable_s"], m[CKPT_S3_RAW]["durable_s"],
+                  "raw s3fs puts, 4 in parallel", goal=f"<= {CKPT_DURABLE_GOAL:g}x raw s3fs puts")
+        rows.append(_with_met(row, _at_most(row.ratio, CKPT_DURABLE_GOAL)))
+    return rows
+
+
+def _with_met(row: Row, met: bool | None) -> Row:
+    return replace(row, met=met)
+
+
+def goodput_rows(runs: list[dict[str, Any]], stdout: str = "") -> list[Row]:
+    """Rows of ``goodput_under_faults.py --json`` (a list of its ``Run`` dicts).
+
+    Per elastic-run mode: goodput and training goodput (stopwatch) against torchrun's (ours /
+    torchrun) with the goal >= 0.95 and above torchrun's, and elastic-run's own report against
+    the stopwatch of the same run.
+    """
+    period = re.search(r"a node killed every ([0-9.]+) s", stdout)
+    faults = f"a node killed every {period.group(1)} s" if period else "nodes killed"
+    by_name = {r["launcher"]: r for r in runs}
+    torchrun = by_name.get("torchrun")
+    rows = []
+    for name, label in (("elastic-run-inplace", "in place"), ("elastic-run", "restart mode")):
+        run = by_name.get(name)
+        if run is None:
+            continue
+        ours_note = f"{run.get('faults', 0)} faults"
+        base_note = "" if torchrun is None else f"{torchrun.get('faults', 0)} faults"
+        for field, what in (("stopwatch_goodput", "goodput"),
+                            ("stopwatch_training_goodput", "training goodput")):
+            ours = run.get(field)
+            base = None if torchrun is None else torchrun.get(field)
+            met = None if ours is None else (
+                ours >= GOODPUT_GOAL and (base is None or ours > base))
+            rows.append(Row("goodput", f"{what} (stopwatch), {label}, {faults}",
+                            ours, base, "torchrun", unit="", goal=f">= {GOODPUT_GOAL:g} and "
+                            "> torchrun's", met=met, ours_note=ours_note,
+                            baseline_note=base_note))
+        if run.get("reported_goodput") is not None:
+            rows.append(Row("goodput", f"goodput, elastic-run's own report vs the stopwatch, "
+                            f"{label}", run["reported_goodput"], run.get("stopwatch_goodput"),
+                            "stopwatch, same run", unit=""))
+    return rows
+
+
+def failed_row(benchmark: str, why: str) -> Row:
+    """The row of a benchmark that gave no figures."""
+    return Row(benchmark, "", failed=why)
+
+
+# ------------------------------------------------------------------------------------ rendering
+
+
+def _value(v: float | None, unit: str) -> str:
+    if v is None:
+        return "-"
+    if unit == "s":
+        return f"{v:.3f} s" if v < 1 else f"{v:.2f} s"
+    if unit == "steps":
+        return f"{v:.0f} steps"
+    return f"{v:.3f}"
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def render_row(row: Row) -> str:
+    """One Markdown table line for ``row``."""
+    if row.failed:
+        cells = [row.benchmark, f"**failed**: {row.failed}", "-", "-", "-", "-", "failed"]
+        return "| " + " | ".join(_cell(c) for c in cells) + " |"
+    ours = _value(row.ours, row.unit) + (f" ({row.ours_note})" if row.ours_note else "")
+    base = f"{_value(row.baseline, row.unit)} ({row.baseline_name}"
+    base += f"; {row.baseline_note})" if row.baseline_note else ")"
+    ratio = row.ratio
+    if ratio is None:
+        ratio_text = "-"
+    elif row.speedup:
+        ratio_text = f"{ratio:.1f}x faster (baseline / ours)"
+    else:
+        ratio_text = f"{ratio:.{2 if ratio < 10 else 0}f} (ours / baseline)"
+    met = "-" if not row.goal else {True: "yes", False: "**no**", None: "n/a"}[row.met]
+    cells = [row.benchmark, row.measure, ours, base, ratio_text, row.goal or "-", met]
+    return "| " + " | ".join(_cell(c) for c in cells) + " |"
+
+
+def summary_table(rows: Sequence[Row]) -> str:
+    """The summary table, one line per row."""
+    lines = ["| benchmark | measure | elastic-run | baseline | ratio | goal | met? |",
+             "|---|---|---:|---:|---:|---|---|"]
+    return "\n".join(lines + [render_row(r) for r in rows])
+
+
+def markdown_detail(stdout: str) -> str:
+    """A script's stdout as Markdown: its tables as they are, progress lines in a code block.
+
+    A paragraph of several lines none of which is a table or list line would otherwise be
+    run together into one line by a Markdown renderer.
+    """
+    out = []
+    for para in re.split(r"\n\s*\n", stdout.strip("\n")):
+        lines = [line.rstrip() for line in para.splitlines()]
+        if not lines:
+            continue
+        plain = not any(line.lstrip().startswith(("|", "- ", "* ")) for line in lines)
+        out.append("```text\n" + "\n".join(lines) + "\n```" if plain and len(lines) > 1
+                   else "\n".join(lines))
+    return "\n\n".join(out)
+
+
+# ------------------------------------------------------------------------------------- running
+
+
+@dataclass(frozen=True)
+class Bench:
+    """One benchmark script and its two presets."""
+
+    name: str
+    script: str
+    full: tuple[str, ...]
+    quick: tuple[str, ...]
+    timeout_s: float
+    quick_timeout_s: float
+    rows: Callable[[Any, str], list[Row]]
+
+
+BENCHES: tuple[Bench, ...] = (
+    Bench("recovery", "recovery_vs_torchrun.py", ("--runs", "3"),
+          ("--runs", "1", "--hang-timeout", "30"), 3600, 600, recovery_rows),
+    Bench("inplace", "inplace_vs_torchrun.py", ("--runs", "5"),
+          ("--runs", "1", "--hang-timeout", "30"), 3600, 600, inplace_rows),
+    Bench("rendezvous", "rendezvous_scale.py", ("--nodes", "8,32,128", "--repeats", "3"),
+          ("--nodes", "4,8", "--repeats", "1", "--processes", "2"), 3600, 600,
+          rendezvous_rows),
+    Bench("checkpoint", "checkpoint_throughput.py",
+          ("--sizes", "300,1500", "--repeats", "3", "--s3-size", "300"),
+          ("--sizes", "50", "--repeats", "1", "--s3-size", "50", "--settle", "0.2"), 3600, 600,
+          checkpoint_rows),
+    Bench("goodput", "goodput_under_faults.py", ("--duration", "300", "--period", "30"),
+          ("--duration", "40", "--period", "15", "--calm", "10"), 3600, 900, goodput_rows),
+)
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """How one benchmark run went."""
+
+    bench: Bench
+    args: tuple[str, ...]
+    status: str  # "ok", "failed" or "timed out"
+    returncode: int | None
+    seconds: float
+    stdout_path: Path
+    stderr_path: Path
+    json_path: Path
+
+    @property
+    def command(self) -> str:
+        """The command line, as a user would type it from the repository root."""
+        return shlex.join(["python", f"benchmarks/{self.bench.script}", *self.args])
+
+
+def _process_tree(pid: int) -> list[tuple[int, str]]:
+    """``(pid, start time)`` of ``pid`` and all its descendants, new sessions included."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            start = f.read().rsplit(")", 1)[1].split()[19]
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            kids = [int(p) for p in f.read().split()]
+    except (OSError, IndexError):
+        return []
+    out = [(pid, start)]
+    for kid in kids:
+        out.extend(_process_tree(kid))
+    return out
+
+
+def _kill_if_same(pid: int, start: str) -> None:
+    """SIGKILL ``pid`` unless it has exited (and its number been reused) meanwhile."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[19] != start:
+                return
+        os.kill(pid, signal.SIGKILL)
+    except (OSError, IndexError):
+        pass
+
+
+def stop(proc: subprocess.Popen[bytes], grace_s: float = STOP_GRACE_S) -> None:
+    """Stops a benchmark and everything it started.
+
+    SIGINT first, to its process group: the script's ``finally`` blocks stop its agents and
+    etcd. Then SIGKILL to every process of the tree as it was before (agents run in sessions
+    of their own and would otherwise be orphaned when the script dies).
+    """
+    tree = _process_tree(proc.pid)
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGINT)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=grace_s)
+    for pid, start in tree:
+        _kill_if_same(pid, start)
+    proc.wait()
+
+
+def run_bench(bench: Bench, args: Sequence[str], workdir: Path, timeout_s: float,
+              script_dir: Path | None = None) -> Outcome:
+    """Runs one benchmark script with ``args`` plus ``--json``; returns how it went.
+
+    Args:
+        bench: The benchmark.
+        args: Its arguments (the preset), without ``--json``.
+        workdir: Where its stdout, stderr and JSON files go.
+        timeout_s: Seconds before it is stopped and reported as timed out.
+        script_dir: Where its script is (default: ``SCRIPT_DIR``, this directory).
+    """
+    stdout_path = workdir / f"{bench.name}.stdout.md"
+    stderr_path = workdir / f"{bench.name}.stderr.log"
+    json_path = workdir / f"{bench.name}.json"
+    script = (script_dir or SCRIPT_DIR) / bench.script
+    cmd = [sys.executable, str(script), *args, "--json", str(json_path)]
+    began = time.monotonic()
+    with stdout_path.open("wb") as out, stderr_path.open("wb") as err:
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=err, stdin=subprocess.DEVNULL,
+                                start_new_session=True)
+        try:
+            rc: int | None = proc.wait(timeout=timeout_s)
+            status = "ok" if rc == 0 else "failed"
+        except subprocess.TimeoutExpired:
+            stop(proc)
+            rc, status = None, "timed out"
+        except BaseException:  # Ctrl-C: leave nothing running behind us
+            stop(proc)
+            raise
+    return Outcome(bench, tuple(args), status, rc, time.monotonic() - began, stdout_path,
+                   stderr_path, json_path)
+
+
+def summarize(outcome: Outcome) -> list[Row]:
+    """The summary rows of one outcome; one failed row if it gave no figures."""
+    name = outcome.bench.name
+    if outcome.status == "timed out":
+        return [failed_row(name, f"timed out after {outcome.seconds:.0f} s; log: "
+                                 f"{outcome.stderr_path}")]
+    if outcome.status != "ok":
+        return [failed_row(name, f"exit status {outcome.returncode} after "
+                                 f"{outcome.seconds:.0f} s; log: {outcome.stderr_path}")]
+    try:
+        data = json.loads(outcome.json_path.read_text())
+    except (OSError, ValueError) as exc:
+        return [failed_row(name, f"no readable JSON ({exc}); log: {outcome.stderr_path}")]
+    try:
+        stdout = outcome.stdout_path.read_text(errors="replace")
+        rows = outcome.bench.rows(data, stdout)
+    except Exception as exc:  # a script's JSON changed shape: say so, keep the others
+        return [failed_row(name, f"its JSON could not be summarized ({exc!r}); "
+                                 f"JSON: {outcome.json_path}")]
+    return rows or [failed_row(name, f"no figures in its JSON: {outcome.json_path}")]
+
+
+def _tail(path: Path, lines: int = 15) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError as exc:
+        return str(exc)
+
+
+def detail_section(outcome: Outcome) -> str:
+    """A benchmark's heading, command and own table (or the end of its log if it failed)."""
+    head = [f"## {outcome.bench.name}: `{outcome.bench.script}`", "",
+            f"`{outcome.command}`: {outcome.status} in {outcome.seconds:.0f} s.", ""]
+    if outcome.status != "ok":
+        head += [f"Log: `{outcome.stderr_path}`; its last lines:", "",
+                 "```text", _tail(outcome.stderr_path), "```"]
+        return "\n".join(head)
+    try:
+        stdout = outcome.stdout_path.read_text(errors="replace")
+    except OSError as exc:
+        stdout = str(exc)
+    return "\n".join([*head, markdown_detail(stdout)])
+
+
+def machine() -> str:
+    """CPUs, Python, torch and OS of this machine."""
+    try:
+        torch_version = importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        torch_version = "not installed"
+    return (f"{os.cpu_count()} CPUs (nproc), Python {platform.python_version()}, torch "
+            f"{torch_version}, {platform.platform()}")
+
+
+def commit() -> str:
+    """The repository's commit, marked when the tracked files have local changes."""
+    try:
+        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, text=True,
+                             capture_output=True, timeout=30, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                               cwd=REPO, text=True, capture_output=True, timeout=30,
+                               check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return f"{sha} (with uncommitted changes)" if dirty else sha
+
+
+def render(outcomes: Sequence[Outcome], command: str, began: datetime, seconds: float,
+           load: tuple[float, float], preset: str) -> str:
+    """The whole report: summary table, each benchmark's own table, how it was made."""
+    rows = [row for o in outcomes for row in summarize(o)]
+    parts = [
+        "# elastic-run benchmarks",
+        "",
+        f"Summary of the {preset} preset (`{command}`). Ratio: \"x faster\" is baseline / "
+        "elastic-run (a speed-up, higher is better); otherwise elastic-run / baseline (for "
+        "times lower is better, for goodput higher). Medians; each benchmark's own table "
+        "below gives the spread and conditions.",
+        "",
+        summary_table(rows),
+    ]
+    for o in outcomes:
+        parts += ["", detail_section(o)]
+    parts += [
+        "",
+        "## How this was made",
+        "",
+        f"- command: `{command}` (from the repository root)",
+        f"- date: {began:%Y-%m-%d %H:%M} UTC, {seconds:.0f} s in all",
+        f"- commit: {commit()}",
+        f"- machine: {machine()}; load average (1 min) {load[0]:.1f} at start, "
+        f"{load[1]:.1f} at end",
+    ]
+    return "\n".join(parts) + "\n"
+
+
+def select(only: str | None) -> list[Bench]:
+    """The benchmarks named in ``--only`` (all when ``None``), in the registry's order."""
+    if not only:
+        return list(BENCHES)
+    names = [n.strip() for n in only.split(",") if n.strip()]
+    known = {b.name for b in BENCHES}
+    unknown = [n for n in names if n not in known]
+    if unknown or not names:
+        raise ValueError(f"--only {only!r}: unknown benchmark(s) {', '.join(unknown) or '-'}; "
+                         f"choose from {', '.join(b.name for b in BENCHES)}.")
+    return [b for b in BENCHES if b.name in names]
+
+
+def _command_line(argv: Sequence[str]) -> str:
+    return shlex.join(["python", "benchmarks/run_all.py", *argv])
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Runs the chosen benchmarks; prints (and writes) the report. 1 if any failed."""
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n", 1)[0])
+    parser.add_argument("--quick", action="store_true",
+                        help="small settings for a smoke check (minutes, not an hour)")
+    parser.add_argument("--only", default=None,
+                        help="comma-separated: " + ",".join(b.name for b in BENCHES))
+    parser.add_argument("--out", type=Path, default=None,
+                        help="write the report here (default: benchmarks/RESULTS.md, only "
+                             "for a full run in which every benchmark succeeded)")
+    parser.add_argument("--workdir", type=Path, default=None,
+                        help="where the logs and JSON files go (default: a new temp dir)")
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(args_list)
+    try:
+        chosen = select(args.only)
+    except ValueError as exc:
+        parser.error(str(exc))
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="run-all-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    print(f"work directory {workdir}", file=sys.stderr, flush=True)
+
+    began, t0, load0 = datetime.now(timezone.utc), time.monotonic(), os.getloadavg()[0]
+    outcomes = []
+    for bench in chosen:
+        bench_args = bench.quick if args.quick else bench.full
+        timeout = bench.quick_timeout_s if args.quick else bench.timeout_s
+        print(f"{bench.name}: {shlex.join(['python', f'benchmarks/{bench.script}', *bench_args])}"
+              f" (timeout {timeout:.0f} s)", file=sys.stderr, flush=True)
+        outcome = run_bench(bench, bench_args, workdir, timeout)
+        print(f"{bench.name}: {outcome.status} in {outcome.seconds:.0f} s; "
+              f"{outcome.stdout_path}, {outcome.stderr_path}", file=sys.stderr, flush=True)
+        outcomes.append(outcome)
+    text = render(outcomes, _command_line(args_list), began, time.monotonic() - t0,
+                  (load0, os.getloadavg()[0]), "quick" if args.quick else "full")
+    print(text)
+    all_ok = all(o.status == "ok" for o in outcomes)
+    out = args.out or (DEFAULT_OUT if all_ok and not args.quick else None)
+    if out is not None:
+        out.write_text(text)
+        print(f"wrote {out}", file=sys.stderr)
+    else:
+        print(f"{DEFAULT_OUT} not written ("
+              f"{'quick preset' if args.quick else 'a benchmark failed'}); --out FILE writes "
+              "the report anyway", file=sys.stderr)
+    return 0 if all_ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,413 @@
+"""benchmarks/run_all.py: summary rows from each script's JSON, goals, failures, the runner.
+
+The fixtures are built with the scripts' own dataclasses (``asdict`` of the ``Run`` /
+``RoundResult`` they write) or their own JSON function, so a change of shape in a script fails
+here rather than in a published table.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from dataclasses import asdict
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from benchmarks import run_all
+from benchmarks.goodput_under_faults import Run as GoodputRun
+from benchmarks.inplace_vs_torchrun import Run as InplaceRun
+from benchmarks.recovery_vs_torchrun import Run as RecoveryRun
+from benchmarks.rendezvous_scale import RoundResult
+
+REPO = Path(__file__).resolve().parents[3]
+
+# What `rendezvous_scale.py --nodes 2 --repeats 1 --processes 2` printed on this machine.
+RDZV_STDOUT = "\n".join([
+    "etcd write floor: 518 puts/s of 4 KiB; torch's keep-alives alone need 2.0/s at N=2",
+    "etcd-v3  N=   2 round    1.11s  writes      2  conflicts      0  state     439 B  errors 0",
+    "c10d     N=   2 round    1.11s  writes      2  conflicts      0  state     576 B  errors 0",
+    "",
+    "| backend | N | round time (s) | CAS writes | CAS conflicts | conflicts/agent | "
+    "state bytes | errors |",
+    "|---|---|---|---|---|---|---|---|",
+    "| etcd-v3 | 2 | 1.11 | 2 | 0 | 0.0 | 439 | 0 |",
+    "| c10d | 2 | 1.11 | 2 | 0 | 0.0 | 576 | 0 |",
+    "",
+    "- N=2: etcd-v3 round time / c10d round time = 1.00",
+    "",
+])
+
+
+def _one(rows: list[run_all.Row], measure_part: str, baseline: str) -> run_all.Row:
+    found = [r for r in rows if r.measure.startswith(measure_part)
+             and r.baseline_name == baseline]
+    assert len(found) == 1, [(r.measure, r.baseline_name) for r in rows]
+    return found[0]
+
+
+# ------------------------------------------------------------------------------ checkpoint
+
+
+def _timing(blocking: float, durable: float) -> Any:
+    from benchmarks.checkpoint_throughput import Timing
+
+    t = Timing()
+    t.add(blocking, durable)
+    t.add(blocking * 3, durable * 3)  # the median of three must be taken, not the mean
+    t.add(blocking, durable)
+    return t
+
+
+def _checkpoint_json(s3_ours: float) -> dict[str, Any]:
+    from benchmarks.checkpoint_throughput import results_json
+
+    local = {
+        run_all.CKPT_COPY_FLOOR: _timing(0.10, 0.10),
+        run_all.CKPT_DISK_FLOOR: _timing(1.00, 1.00),
+        "torch.save + fsync": _timing(2.0, 2.0),
+        "DCP save": _timing(2.5, 2.5),
+        run_all.CKPT_DCP_ASYNC: _timing(1.20, 3.00),
+        run_all.CKPT_OURS: _timing(0.12, 1.50),
+    }
+    s3 = {run_all.CKPT_S3_RAW: _timing(2.0, 2.0), run_all.CKPT_S3_OURS: _timing(0.1, s3_ours)}
+    data = {"repeats": 3, "settle": 1.0,
+            **results_json([(300, 300 * run_all.MiB, local)], (300, 300 * run_all.MiB, s3))}
+    loaded: dict[str, Any] = json.loads(json.dumps(data))  # as read back from the file
+    return loaded
+
+
+def test_checkpoint_rows_ratios_and_goals() -> None:
+    rows = run_all.checkpoint_rows(_checkpoint_json(s3_ours=2.5))
+
+    block = _one(rows, "blocking", "copy floor")
+    assert block.ours == pytest.approx(0.12) and block.baseline == pytest.approx(0.10)
+    assert block.ratio == pytest.approx(1.2)
+    assert block.met is True  # 1.2 <= 1.5
+
+    durable = _one(rows, "durable (fsynced", "disk floor")
+    assert durable.ratio == pytest.approx(1.5)
+    assert durable.met is False  # 1.5 > 1.3
+
+    dcp_block = _one(rows, "blocking", "DCP async_save")
+    assert dcp_block.speedup and dcp_block.ratio == pytest.approx(10.0)  # 1.2 / 0.12
+    assert dcp_block.goal == "" and dcp_block.met is None
+    assert _one(rows, "durable (fsynced", "DCP async_save").ratio == pytest.approx(2.0)
+
+    s3 = _one(rows, "durable on S3", "raw s3fs puts, 4 in parallel")
+    assert s3.ratio == pytest.approx(1.25) and s3.met is True
+    assert "300 MiB" in s3.measure
+
+
+def test_checkpoint_s3_goal_missed_and_rendered() -> None:
+    rows = run_all.checkpoint_rows(_checkpoint_json(s3_ours=3.0))
+    s3 = _one(rows, "durable on S3", "raw s3fs puts, 4 in parallel")
+    assert s3.ratio == pytest.approx(1.5) and s3.met is False
+
+    line = run_all.render_row(s3)
+    assert "| 3.00 s |" in line and "2.00 s (raw s3fs puts, 4 in parallel)" in line
+    assert "1.50 (ours / baseline)" in line and line.endswith("| **no** |")
+    assert run_all.render_row(_one(rows, "blocking", "copy floor")).endswith("| yes |")
+    assert "10.0x faster (baseline / ours)" in run_all.render_row(
+        _one(rows, "blocking", "DCP async_save"))
+
+
+def test_checkpoint_names_are_the_scripts() -> None:
+    """The method names run_all looks up are the ones checkpoint_throughput.py writes."""
+    source = (REPO / "benchmarks" / "checkpoint_throughput.py").read_text()
+    for name in (run_all.CKPT_COPY_FLOOR, run_all.CKPT_DISK_FLOOR, run_all.CKPT_DCP_ASYNC,
+                 run_all.CKPT_OURS, run_all.CKPT_S3_RAW, run_all.CKPT_S3_OURS):
+        assert f'"{name}"' in source
+
+
+@pytest.mark.slow
+def test_checkpoint_script_json_feeds_the_summary(tmp_path: Path) -> None:
+    """A real (tiny) run of checkpoint_throughput.py --json gives every local row."""
+    out = tmp_path / "ckpt.json"
+    done = subprocess.run(
+        [sys.executable, "benchmarks/checkpoint_throughput.py", "--sizes", "1", "--repeats",
+         "1", "--s3-size", "0", "--settle", "0", "--tmp-dir", str(tmp_path), "--json",
+         str(out)], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "| size | method |" in done.stdout  # its own table still printed
+    data = json.loads(out.read_text())
+    assert data["repeats"] == 1 and data["s3"] is None
+    rows = run_all.checkpoint_rows(data)
+    assert {r.baseline_name for r in rows} == {"copy floor", "disk floor", "DCP async_save"}
+    assert all(r.ratio is not None and r.ratio > 0 for r in rows)
+    assert all(isinstance(r.met, bool) for r in rows if r.goal)
+
+
+# ------------------------------------------------------------------------------ rendezvous
+
+
+def test_rendezvous_rows_from_a_real_tiny_run() -> None:
+    rounds = [asdict(RoundResult("etcd-v3", 2, 1.1130287647247314, 2, 0, 439, 0)),
+              asdict(RoundResult("c10d", 2, 1.108377456665039, 2, 0, 576, 0))]
+    rows = run_all.rendezvous_rows(rounds, RDZV_STDOUT)
+    vs_c10d = _one(rows, "round time, N=2", "c10d")
+    assert vs_c10d.ratio == pytest.approx(1.1130287647247314 / 1.108377456665039)
+    assert not vs_c10d.speedup and vs_c10d.goal == ""
+    floor = _one(rows, "round time, N=2", "etcd write floor")
+    assert floor.baseline == pytest.approx(2 / 518)
+    assert "2 CAS writes" in floor.measure and "518/s" in floor.measure
+
+
+def test_rendezvous_medians_per_n_and_errors() -> None:
+    rounds = [asdict(RoundResult(b, n, t, 40, 3, 900, err)) for b, n, t, err in (
+        ("etcd-v3", 8, 1.0, 0), ("etcd-v3", 8, 9.0, 0), ("etcd-v3", 8, 2.0, 0),
+        ("c10d", 8, 4.0, 0), ("c10d", 8, 4.0, 0), ("c10d", 8, 4.0, 0),
+        ("etcd-v3", 32, 3.0, 1), ("c10d", 32, 6.0, 0))]
+    rows = run_all.rendezvous_rows(rounds, "")  # no floor lines: no floor rows
+    assert [r.measure for r in rows] == ["round time, N=8, median", "round time, N=32, median"]
+    assert rows[0].ours == 2.0 and rows[0].ratio == pytest.approx(0.5)
+    assert rows[1].ours_note == "1 errors" and rows[1].baseline_note == ""
+
+
+# -------------------------------------------------------------------------------- recovery
+
+
+def test_recovery_rows_speedup_and_a_baseline_that_hung() -> None:
+    runs = [asdict(r) for r in (
+        RecoveryRun("torchrun-default", {"first_step": 5.0}, ["worker_kill"]),
+        RecoveryRun("torchrun-default", {"first_step": 5.0}, ["worker_kill"]),
+        RecoveryRun("torchrun-noshare", {"worker_kill": 6.0, "node_loss": 40.0}),
+        RecoveryRun("torchrun-noshare", {"worker_kill": 8.0, "node_loss": 50.0}),
+        RecoveryRun("elastic-run", {"worker_kill": 2.0, "node_loss": 5.0}),
+        RecoveryRun("elastic-run", {"worker_kill": 2.0}, ["node_loss"]),
+    )]
+    rows = run_all.recovery_rows(runs)
+    assert len(rows) == 4
+    hung = _one(rows, "worker SIGKILL", "torchrun")
+    assert hung.baseline is None and hung.ratio is None
+    assert hung.baseline_note == "0 of 2 runs, 2 hung"
+    assert "- (torchrun; 0 of 2 runs, 2 hung)" in run_all.render_row(hung)
+    noshare_kill = _one(rows, "worker SIGKILL", "torchrun, TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1")
+    assert noshare_kill.speedup and noshare_kill.ratio == pytest.approx(3.5)  # 7.0 / 2.0
+    noshare_loss = _one(rows, "node loss", "torchrun, TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1")
+    assert noshare_loss.ours == 5.0 and noshare_loss.ours_note == "1 of 2 runs, 1 hung"
+    assert noshare_loss.ratio == pytest.approx(9.0)  # 45 / 5
+
+
+def test_recovery_without_elastic_run_gives_no_rows() -> None:
+    runs = [asdict(RecoveryRun("torchrun-default", {"worker_kill": 6.0}))]
+    assert run_all.recovery_rows(runs) == []
+
+
+# --------------------------------------------------------------------------------- inplace
+
+
+def test_inplace_rows() -> None:
+    runs = [asdict(r) for r in (
+        InplaceRun("torchrun", {"worker_kill": 6.0, "node_loss": 40.0},
+                   {"worker_kill": 10, "node_loss": 12}),
+        InplaceRun("elastic-run-restart", {"worker_kill": 5.0, "node_loss": 8.0},
+                   {"worker_kill": 10, "node_loss": 10}),
+        InplaceRun("elastic-run-inplace", {"worker_kill": 0.2, "node_loss": 2.5},
+                   {"worker_kill": 0, "node_loss": 0}),
+    )]
+    rows = run_all.inplace_rows(runs)
+    inplace_loss = _one(rows, "node loss: recovery, in place", "torchrun")
+    assert inplace_loss.ratio == pytest.approx(16.0)
+    assert _one(rows, "worker SIGKILL: recovery, restart mode", "torchrun").ratio == \
+        pytest.approx(1.2)
+    redone = _one(rows, "node loss: steps redone", "torchrun")
+    assert redone.ours == 0 and redone.baseline == 12
+    assert redone.ratio is None or redone.ratio == 0  # no speed-up of a zero
+    assert "| 0 steps |" in run_all.render_row(redone)
+
+
+# --------------------------------------------------------------------------------- goodput
+
+
+def _goodput(launcher: str, goodput: float, training: float,
+             reported: float | None = None) -> dict[str, Any]:
+    return asdict(GoodputRun(launcher=launcher, faults=9, wall_s=310.0, steps=2900,
+                             step_time_s=0.1, stopwatch_goodput=goodput, training_s=300.0,
+                             stopwatch_training_goodput=training, reported_goodput=reported))
+
+
+def test_goodput_goal_needs_both_the_level_and_beating_torchrun() -> None:
+    stdout = "Goodput, 3 nodes (CPU, gloo), a node killed every 30 s and replaced 5 s later"
+    runs = [_goodput("elastic-run-inplace", 0.96, 0.96, reported=0.955),
+            _goodput("elastic-run", 0.90, 0.93, reported=0.9),
+            _goodput("torchrun", 0.50, 0.97)]
+    rows = run_all.goodput_rows(runs, stdout)
+    inplace = _one(rows, "goodput (stopwatch), in place", "torchrun")
+    assert inplace.met is True and inplace.ratio == pytest.approx(0.96 / 0.50)
+    assert "every 30 s" in inplace.measure and inplace.ours_note == "9 faults"
+    # Above 0.95 but not above torchrun's 0.97: not met.
+    assert _one(rows, "training goodput (stopwatch), in place", "torchrun").met is False
+    assert _one(rows, "goodput (stopwatch), restart mode", "torchrun").met is False
+    report = _one(rows, "goodput, elastic-run's own report vs the stopwatch, in place",
+                  "stopwatch, same run")
+    assert report.ratio == pytest.approx(0.955 / 0.96) and report.goal == ""
+    assert len(rows) == 6
+
+
+def test_goodput_without_torchrun_checks_the_level_only() -> None:
+    rows = run_all.goodput_rows([_goodput("elastic-run-inplace", 0.97, 0.98)], "")
+    assert [r.met for r in rows] == [True, True]
+    assert all(r.baseline is None and r.ratio is None for r in rows)
+
+
+# ------------------------------------------------------------------------ failures, render
+
+
+def _outcome(tmp_path: Path, bench: run_all.Bench, status: str = "ok",
+             returncode: int | None = 0, data: Any = None, stdout: str = "") -> run_all.Outcome:
+    o = run_all.Outcome(bench, ("--runs", "1"), status, returncode, 12.0,
+                        tmp_path / f"{bench.name}.stdout.md", tmp_path / f"{bench.name}.stderr",
+                        tmp_path / f"{bench.name}.json")
+    o.stdout_path.write_text(stdout)
+    o.stderr_path.write_text("Traceback...\nRuntimeError: etcd did not start\n")
+    if data is not None:
+        o.json_path.write_text(json.dumps(data))
+    return o
+
+
+def _bench(name: str) -> run_all.Bench:
+    return next(b for b in run_all.BENCHES if b.name == name)
+
+
+def test_failed_and_timed_out_benchmarks_are_shown_as_failed(tmp_path: Path) -> None:
+    failed = _outcome(tmp_path, _bench("recovery"), "failed", 1)
+    (row,) = run_all.summarize(failed)
+    assert row.failed.startswith("exit status 1 after 12 s")
+    assert str(failed.stderr_path) in row.failed
+    timed_out = _outcome(tmp_path, _bench("goodput"), "timed out", None)
+    assert run_all.summarize(timed_out)[0].failed.startswith("timed out after 12 s")
+
+    good = _outcome(tmp_path, _bench("checkpoint"), data=_checkpoint_json(2.0),
+                    stdout="| size | method |\n|---|---|\n| 300 MiB | ours |\n")
+    text = run_all.render([failed, good], "python benchmarks/run_all.py",
+                          datetime.now(timezone.utc), 30.0, (1.0, 2.0), "full")
+    summary = text.split("\n## ")[0]
+    assert "| recovery | **failed**: exit status 1" in summary
+    assert summary.count("| checkpoint |") == 5
+    assert "RuntimeError: etcd did not start" in text  # the end of the failed log
+    assert "## checkpoint: `checkpoint_throughput.py`" in text and "| 300 MiB | ours |" in text
+    assert "- command: `python benchmarks/run_all.py`" in text
+    assert f"{os.cpu_count()} CPUs (nproc)" in text and "torch " in text
+
+
+def test_json_of_another_shape_is_a_failure_not_a_crash(tmp_path: Path) -> None:
+    bad = _outcome(tmp_path, _bench("checkpoint"), data={"local": [{"methods": {}}]})
+    (row,) = run_all.summarize(bad)
+    assert "could not be summarized" in row.failed and "KeyError" in row.failed
+    missing = _outcome(tmp_path, _bench("rendezvous"))  # exit 0 but no JSON written
+    assert run_all.summarize(missing)[0].failed.startswith("no readable JSON")
+    empty = _outcome(tmp_path, _bench("recovery"), data=[])
+    assert run_all.summarize(empty)[0].failed.startswith("no figures")
+
+
+def test_markdown_detail_fences_progress_lines_only() -> None:
+    text = run_all.markdown_detail(RDZV_STDOUT)
+    assert text.startswith("```text\netcd write floor: 518 puts/s")
+    assert "```\n\n| backend | N |" in text
+    assert text.endswith("- N=2: etcd-v3 round time / c10d round time = 1.00")
+    one_line = "Checkpoint throughput, medians of 3.\n\n| a |\n|---|\n| 1 |"
+    assert run_all.markdown_detail(one_line) == one_line
+
+
+def test_select() -> None:
+    assert [b.name for b in run_all.select("checkpoint,rendezvous")] == ["rendezvous",
+                                                                         "checkpoint"]
+    assert len(run_all.select(None)) == len(run_all.BENCHES) == 5
+    with pytest.raises(ValueError, match="nope"):
+        run_all.select("rendezvous,nope")
+
+
+# ---------------------------------------------------------------------- the runner, for real
+
+_OK_SCRIPT = """\
+import json, sys
+print("| fake | table |")
+print("progress", file=sys.stderr)
+json.dump([{"backend": b, "nodes": 4, "round_s": t, "cas_writes": 8, "cas_conflicts": 0,
+            "state_bytes": 100, "errors": 0} for b, t in (("etcd-v3", 1.0), ("c10d", 2.0))],
+          open(sys.argv[sys.argv.index("--json") + 1], "w"))
+"""
+
+_FAIL_SCRIPT = "import sys\nprint('it broke', file=sys.stderr)\nsys.exit(3)\n"
+
+# Starts a grandchild in a session of its own (as the benchmarks start their agents), writes
+# its pid, then waits forever.
+_HANG_SCRIPT = """\
+import subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"],
+                         start_new_session=True)
+open(sys.argv[1], "w").write(str(child.pid))
+time.sleep(600)
+"""
+
+
+def _fake(name: str, script: str, rows: Any = run_all.rendezvous_rows) -> run_all.Bench:
+    return run_all.Bench(name, script, ("--x",), ("--y",), 60, 60, rows)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_run_bench_failure_and_timeout_kill_the_whole_tree(tmp_path: Path) -> None:
+    (tmp_path / "fail.py").write_text(_FAIL_SCRIPT)
+    (tmp_path / "hang.py").write_text(_HANG_SCRIPT)
+    work = tmp_path / "work"
+    work.mkdir()
+    failed = run_all.run_bench(_fake("fail", "fail.py"), [], work, 60, script_dir=tmp_path)
+    assert failed.status == "failed" and failed.returncode == 3
+    assert "it broke" in failed.stderr_path.read_text()
+
+    pid_file = tmp_path / "grandchild.pid"
+    hung = run_all.run_bench(_fake("hang", "hang.py"), [str(pid_file)], work, 3,
+                             script_dir=tmp_path)
+    assert hung.status == "timed out" and hung.returncode is None
+    grandchild = int(pid_file.read_text())
+    deadline = time.monotonic() + 30
+    while _alive(grandchild) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(grandchild)
+    assert run_all.summarize(hung)[0].failed.startswith("timed out")
+
+
+def test_main_runs_every_benchmark_and_writes_only_where_told(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    scripts = tmp_path / "scripts"
+    scripts.mkdir()
+    (scripts / "ok.py").write_text(textwrap.dedent(_OK_SCRIPT))
+    (scripts / "fail.py").write_text(_FAIL_SCRIPT)
+    monkeypatch.setattr(run_all, "SCRIPT_DIR", scripts)
+    monkeypatch.setattr(run_all, "BENCHES", (_fake("broken", "fail.py"), _fake("fine", "ok.py")))
+    default_out = tmp_path / "RESULTS.md"
+    monkeypatch.setattr(run_all, "DEFAULT_OUT", default_out)
+
+    rc = run_all.main(["--workdir", str(tmp_path / "work")])
+    assert rc == 1  # one failed
+    assert not default_out.exists()  # a failed run does not replace the published table
+    printed = capsys.readouterr().out
+    assert "| broken | **failed**: exit status 3" in printed
+    assert "| rendezvous | round time, N=4, median | 1.00 s | 2.00 s (c10d) | 0.50 (ours / " \
+        "baseline) | - | - |" in printed
+    assert "| fake | table |" in printed  # its own table, below
+
+    out = tmp_path / "explicit.md"
+    assert run_all.main(["--only", "fine", "--out", str(out)]) == 0
+    assert "| rendezvous | round time, N=4" in out.read_text()
+    assert "broken" not in out.read_text()
+    assert run_all.main(["--only", "fine"]) == 0
+    assert default_out.exists()  # full preset, all succeeded: the default file
+    default_out.unlink()
+    assert run_all.main(["--only", "fine", "--quick"]) == 0
+    assert not default_out.exists()  # a quick run never writes it unless told
