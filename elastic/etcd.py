@@ -28,6 +28,7 @@ import logging
 import os
 import re
 import threading
+import urllib.parse
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -261,6 +262,11 @@ class EtcdClient:
             session.cert = (self.config.cert, self.config.key) if self.config.key else \
                 self.config.cert
         return session
+
+    def endpoint_ports(self) -> frozenset[int]:
+        """The TCP ports of this client's endpoints."""
+        ports = {urllib.parse.urlsplit(url).port for url in self._urls}
+        return frozenset(p for p in ports if p is not None)
 
     def current_url(self) -> str:
         """Base URL of the endpoint requests go to now."""

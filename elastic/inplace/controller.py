@@ -35,6 +35,7 @@ from elastic.inplace.groups import abort_groups, build_groups, standby_groups
 from elastic.inplace.heal import HealResult, agree_and_heal
 from elastic.inplace.liveness import LivenessSocket, ProbeBook
 from elastic.inplace.quorum import WorkerQuorum, WorldView, member_id
+from elastic.inplace.sockets import WorldSockets, socket_inodes
 from elastic.process_group import ProcessGroups
 from elastic.store import EtcdV3Store
 
@@ -137,6 +138,8 @@ class InPlaceController:
         #: Seconds from a detected failure to the next completed heal, per failure.
         self.recovery_s: list[float] = []
         self._failed_at: float | None = None
+        #: The current world's gloo sockets, shut down when this worker abandons it.
+        self._world_sockets: WorldSockets | None = None
         #: A joiner registered not ready: it joins the world when the loop starts.
         self.deferred = False
         #: How long a deferred joiner waits to be admitted (``elastic.init``'s timeout).
@@ -248,6 +251,7 @@ class InPlaceController:
         self._tried_epoch = max(self._tried_epoch, world.epoch)
         rank = world.members.index(self.me)
         started = time.monotonic()
+        sockets_before = socket_inodes()
         try:
             groups = build_groups(
                 self.backend, store=self.store, epoch=world.epoch, rank=rank,
@@ -263,6 +267,9 @@ class InPlaceController:
             if set_timeout is not None:  # local: no barrier needed to *raise* a timeout
                 set_timeout(self.train_timeout, groups.default)
                 set_timeout(self.train_timeout, groups.checkpoint)
+        if self.backend == "gloo":  # NCCL has its own abort (see abort_groups)
+            self._world_sockets = WorldSockets(sockets_before, socket_inodes(),
+                                               skip_ports=self.quorum.client.endpoint_ports())
         self.world = world
         self.reconfigurations += 1
         # Learn which peers answer a liveness probe, so that their refusal is trusted later.
@@ -314,9 +321,18 @@ class InPlaceController:
             return current  # somebody already proposed a world of live members: adopt it
         return self.quorum.propose(current, admissible(live, self.global_batch))
 
+    def _sever_world(self) -> None:
+        """Shuts down the broken world's connections so that no peer stays blocked on us."""
+        if self._world_sockets is not None:
+            severed = self._world_sockets.sever()
+            self._world_sockets = None
+            logger.info("shut down %d connection(s) of the abandoned world", severed)
+
     def _reconfigure(self, *, after_failure: bool) -> None:
         """Moves this worker into the next world, waiting as a spare if left out."""
         assert self.ctx is not None
+        if after_failure:
+            self._sever_world()
         for attempt in range(_MAX_ATTEMPTS):
             world = self._next_world(after_failure=after_failure or attempt > 0)
             if self.me not in world.members:
@@ -401,6 +417,7 @@ class InPlaceController:
         if self._failed_at is None:
             self._failed_at = time.monotonic()
         self.pending = "failure"
+        self._sever_world()  # now: a peer blocked on this worker must not wait for a timeout
 
     def before_step(self, loop: ElasticLoop) -> None:
         """Runs a pending reconfiguration and heal."""
