@@ -123,12 +123,24 @@ class _LocalStream(_ChecksumStream):
 
 
 class _MemoryStream(_ChecksumStream):
+    """Gathers a remote file's bytes as a list of chunks, joined once into ``bytes``.
+
+    Not a growing ``bytearray``: its reallocations copy the file again and again, and a
+    ``bytearray`` body is slower through botocore than ``bytes`` (measured on moto).
+    """
+
     def __init__(self) -> None:
         super().__init__()
-        self.data = bytearray()
+        self._chunks: list[bytes] = []
 
     def _sink(self, mv: memoryview) -> None:
-        self.data += mv
+        self._chunks.append(bytes(mv))
+
+    def getvalue(self) -> bytes:
+        """The whole file (the chunks are released)."""
+        data = b"".join(self._chunks)
+        self._chunks = []
+        return data
 
     def close(self) -> None:
         if not self.closed and not self.aborted:
@@ -168,8 +180,7 @@ class ShardFileSystem(FileSystemBase):
             yield stream
             stream.close()
             if isinstance(stream, _MemoryStream):
-                self.storage.write_bytes(p, stream.data)
-                stream.data = bytearray()
+                self.storage.write_bytes(p, stream.getvalue())
             elif self.sync:
                 fsync_dir(os.path.dirname(p))
         except BaseException:
