@@ -28,7 +28,11 @@ launchers (the same schedule). Prints one Markdown table; ``--json`` writes the 
 
 Usage::
 
-    python benchmarks/goodput_under_faults.py [--duration 150] [--period 30] [--json out.json]
+    python benchmarks/goodput_under_faults.py [--duration 300] [--period 30] [--json out.json]
+
+The duration is 5 minutes by default: start-up and shut-down (importing torch in every agent and
+worker, the first rendezvous) cost the same few seconds to every launcher, and a training job
+runs for hours, so a short run would mostly measure those.
 """
 
 from __future__ import annotations
@@ -330,7 +334,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=1_000_000, help=argparse.SUPPRESS)
     parser.add_argument("--interval", type=int, default=20, help="checkpoint every N steps")
     parser.add_argument("--step-time", type=float, default=0.1, help="seconds per step")
-    parser.add_argument("--duration", type=float, default=150.0,
+    parser.add_argument("--duration", type=float, default=300.0,
                         help="seconds of training under faults, per launcher")
     parser.add_argument("--calm", type=float, default=20.0,
                         help="seconds of the fault-free run that measures the step time")
