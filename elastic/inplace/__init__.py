@@ -27,6 +27,10 @@ node came or went. Design (torchft-like, fenced by etcd compare-and-swap):
   before every build so that all members name their groups alike. Before a planned change
   (joiners, no failure) every rank first waits for the save in flight, which runs on the old
   groups.
+* **Severing**: gloo cannot abort a group that is still referenced (a DDP in the script's
+  frame), so a survivor that abandons a world after a failure shuts down that world's TCP
+  connections itself (:mod:`~elastic.inplace.sockets`): a peer blocked in a collective with it
+  fails at once instead of after the collective timeout.
 * **Joining**: a worker that starts while a world trains registers *not ready* and
   ``elastic.init()`` returns at once (on local standby groups, with a provisional rank that is
   never 0); it turns ready when its loop starts, so survivors keep training while it builds
