@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -112,25 +114,33 @@ def test_a_process_start_time_is_read_from_proc() -> None:
     assert process_started_at(2**22 + 12345) is None  # no such process
 
 
+def _in_place_job(directory: Path, agent_events: list[tuple[float, str, dict[str, Any]]],
+                  worlds: list[tuple[float, int, int]],
+                  worker_events: Sequence[dict[str, Any]] = ()) -> goodput.Report:
+    """Writes one agent's events and rank 0's steps ``(time, world epoch, world size)``."""
+    agent = [{"time": T0 + t, "source": "agent", "node": "a/1", "event": kind, **fields}
+             for t, kind, fields in agent_events]
+    steps = [{"time": T0 + t, "source": "worker", "node": "a/1", "event": "step",
+              "round": epoch, "step": i, "duration_s": 0.5, "world": world}
+             for i, (t, epoch, world) in enumerate(worlds)]
+    (directory / "a.jsonl").write_text("\n".join(
+        json.dumps({"v": 1, "job": "exp", "round": None, **e})
+        for e in agent + steps + list(worker_events)) + "\n")
+    return _report(directory)
+
+
 def test_in_place_changes_are_matched_by_time_and_named_by_what_was_seen(
     tmp_path: Path,
 ) -> None:
     # In place the workers label steps with their world epoch (7, 8, 9), not the agent round.
-    agent = [{"time": T0 + t, "source": "agent", "node": "a/1", "event": kind, **fields}
-             for t, kind, fields in (
-                 (0, "agent_started", {}),
-                 (1, "round_started", {"round": 0, "world": 3, "reason": "start"}),
-                 (11, "node_lost", {"round": 0, "ranks": [2]}),
-                 (12, "round_started", {"round": 1, "world": 2, "reason": "node_joined"}),
-                 (40, "agent_exited", {"outcome": "succeeded", "exit_code": 0}))]
-    steps = [{"time": T0 + t, "source": "worker", "node": "a/1", "event": "step",
-              "round": epoch, "step": i, "duration_s": 0.5, "world": world}
-             for i, (t, epoch, world) in enumerate(
-                 [(2 + k, 7, 3) for k in range(8)] + [(13 + k, 8, 2) for k in range(8)]
-                 + [(24 + k, 9, 3) for k in range(8)])]
-    (tmp_path / "a.jsonl").write_text("\n".join(
-        json.dumps({"v": 1, "job": "exp", "round": None, **e}) for e in agent + steps) + "\n")
-    report = _report(tmp_path)
+    report = _in_place_job(tmp_path, [
+        (0, "agent_started", {}),
+        (1, "round_started", {"round": 0, "world": 3, "reason": "start"}),
+        (11, "node_lost", {"round": 0, "ranks": [2]}),
+        (12, "round_started", {"round": 1, "world": 2, "reason": "node_joined"}),
+        (40, "agent_exited", {"outcome": "succeeded", "exit_code": 0}),
+    ], [(2 + k, 7, 3) for k in range(8)] + [(13 + k, 8, 2) for k in range(8)]
+        + [(24 + k, 9, 3) for k in range(8)])
     assert [(c.round, c.reason, c.world_before, c.world_after) for c in report.changes] == [
         (8, "node_lost", 3, 2), (9, "node_joined", 2, 3)]
     lost, joined = report.changes
@@ -160,21 +170,14 @@ def test_a_failure_the_workers_recover_from_before_any_agent_notices_is_named_by
 ) -> None:
     # In place a lost node's worker is known dead from its closed liveness port within a
     # step: the survivors record peer_failed and train on; the agents see nothing in time.
-    agent = [{"time": T0 + t, "source": "agent", "node": "a/1", "event": kind, **fields}
-             for t, kind, fields in (
-                 (0, "agent_started", {}),
-                 (1, "round_started", {"round": 0, "world": 3, "reason": "start"}),
-                 (20, "agent_exited", {"outcome": "succeeded", "exit_code": 0}))]
-    steps = [{"time": T0 + t, "source": "worker", "node": "a/1", "event": "step",
-              "round": epoch, "step": i, "duration_s": 0.5, "world": world}
-             for i, (t, epoch, world) in enumerate(
-                 [(2 + k, 7, 3) for k in range(8)] + [(10.5 + k, 8, 2) for k in range(8)])]
-    failed = [{"time": T0 + 9.25, "source": "worker", "node": "a/1", "event": "peer_failed",
-               "round": 7, "step": 8, "error": "Connection closed by peer"}]
-    (tmp_path / "a.jsonl").write_text("\n".join(
-        json.dumps({"v": 1, "job": "exp", "round": None, **e})
-        for e in agent + steps + failed) + "\n")
-    (change,) = _report(tmp_path).changes
+    failed = {"time": T0 + 9.25, "source": "worker", "node": "a/1", "event": "peer_failed",
+              "round": 7, "step": 8, "error": "Connection closed by peer"}
+    report = _in_place_job(tmp_path, [
+        (0, "agent_started", {}),
+        (1, "round_started", {"round": 0, "world": 3, "reason": "start"}),
+        (20, "agent_exited", {"outcome": "succeeded", "exit_code": 0}),
+    ], [(2 + k, 7, 3) for k in range(8)] + [(10.5 + k, 8, 2) for k in range(8)], [failed])
+    (change,) = report.changes
     assert (change.reason, change.world_before, change.world_after) == ("peer_failed", 3, 2)
     # Detection: last step end (9) to the failure (9.25); no agent round: the rest is restore.
     assert (change.detection_s, change.rendezvous_s, change.restore_s) == (0.25, 0.0, 0.75)
