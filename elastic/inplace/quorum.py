@@ -17,7 +17,9 @@ Why these choices:
 
 * A member key per *worker* (not per node): a killed worker's key is deleted by its agent at
   once (``launch.agent``), so survivors learn of the loss in about one agent monitor interval
-  instead of one lease TTL; a lost node's keys vanish when their leases expire (``ttl``).
+  instead of one lease TTL; a lost node's keys are deleted by a survivor that finds their
+  liveness ports closed (:mod:`~elastic.inplace.liveness`), or vanish when their leases expire
+  (``ttl``) if the host went silent.
 * The world key is written only by compare-and-swap on its mod revision (etcd's Raft log is
   the fencing token): two workers that propose different worlds for the same next epoch
   cannot both win; the loser adopts the winner's world. No worker is a coordinator.
