@@ -33,7 +33,8 @@ planned_departure      notice (aws, gcp, azure or sigterm), deadline (ISO or nul
                        drain_budget_s, member_ttl, announced (the peers were told in etcd)
 left_rendezvous        drained (workers exited within the budget), exit_codes, drain_s
 job_finished           (this node's workers finished the job)
-agent_exited           outcome: succeeded, failed, departed, signal or rendezvous_error;
+agent_exited           outcome: succeeded, already_finished (came after the job ended), failed,
+                       departed, signal or rendezvous_error;
                        exit_code
 step                   step, duration_s (compute time of the step), world (global rank 0 only)
 peer_failed            step, error (in place: a collective of the step failed because a peer

@@ -195,6 +195,18 @@ class ElasticRendezvousHandler(RendezvousHandler):
         """See base class."""
         return self._inner.get_run_id()
 
+    def mark_finished(self, note: Mapping[str, Any]) -> None:
+        """Records that the job finished, before :meth:`shutdown` closes the rendezvous.
+
+        A node that arrives later (a replacement an autoscaler started as the job ended)
+        finds the rendezvous closed; :meth:`finished` tells it that the job succeeded.
+        """
+        self._registry.mark_finished(note)
+
+    def finished(self) -> dict[str, Any] | None:
+        """The note of a job that finished, or ``None``."""
+        return self._registry.finished()
+
     def shutdown(self) -> bool:
         """See base class; also revokes the membership lease so peers see the exit at once."""
         try:

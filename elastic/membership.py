@@ -62,6 +62,11 @@ def members_prefix(key_prefix: str, run_id: str) -> str:
     return f"{key_prefix.rstrip('/')}/{run_id}/members/"
 
 
+def finished_key(key_prefix: str, run_id: str) -> str:
+    """The key a job's agents write once its workers have finished (no lease: it stays)."""
+    return f"{key_prefix.rstrip('/')}/{run_id}/finished"
+
+
 def _parse_key(prefix: str, key: str) -> tuple[int, int] | None:
     parts = key[len(prefix):].split("/")
     if len(parts) != 2:
@@ -108,6 +113,7 @@ class MembershipRegistry:
             )
         self._client = client
         self._prefix = members_prefix(key_prefix, run_id)
+        self._finished_key = finished_key(key_prefix, run_id)
         self._ttl = member_ttl
         self._on_change = on_change
         self._lease: Lease | None = None
@@ -265,6 +271,15 @@ class MembershipRegistry:
         changed = self.changed.wait(timeout.total_seconds())
         self.changed.clear()
         return changed
+
+    def mark_finished(self, note: Mapping[str, Any]) -> None:
+        """Records in etcd that the job's workers finished (a late node then exits cleanly)."""
+        self._client.put(self._finished_key, json.dumps(dict(note)).encode())
+
+    def finished(self) -> dict[str, Any] | None:
+        """What :meth:`mark_finished` recorded, or ``None`` if the job has not finished."""
+        kv = self._client.get(self._finished_key)
+        return None if kv is None else dict(json.loads(kv.value))
 
     def close(self) -> None:
         """Leaves explicitly: revokes the lease so the others see this node go at once."""

@@ -141,6 +141,7 @@ def run(args: argparse.Namespace) -> int:
     from torch.distributed.elastic.rendezvous import RendezvousParameters
     from torch.distributed.elastic.rendezvous import registry as rdzv_registry
     from torch.distributed.elastic.rendezvous.api import (
+        RendezvousClosedError,
         RendezvousConnectionError,
         RendezvousError,
     )
@@ -261,6 +262,7 @@ def run(args: argparse.Namespace) -> int:
             time.monotonic() - started, agent.membership_restarts, agent.remaining_restarts,
         )
         events.record("job_finished", round=agent.round)
+        _mark_finished(handler, agent.round)
         outcome, code = "succeeded", EXIT_OK
         return EXIT_OK
     except PlannedDeparture as exc:
@@ -276,6 +278,19 @@ def run(args: argparse.Namespace) -> int:
         torch_events.record(agent.get_event_failed(), config.event_log_handler)
         outcome, code = "signal", 128 + int(exc.sigval)
         return code
+    except RendezvousClosedError as exc:
+        note = _finished_note(handler)
+        if note is None:
+            torch_events.record(agent.get_event_failed(), config.event_log_handler)
+            outcome, code = "rendezvous_error", EXIT_RENDEZVOUS
+            return _fail(f"the rendezvous failed ({type(exc).__name__}: {exc})",
+                         EXIT_RENDEZVOUS)
+        # A node that came as the job ended (a replacement started late): nothing to do.
+        shutdown_rdzv = False
+        logger.info("Job %s already finished (round %s); this node has nothing to do. Start "
+                    "a new job with another --job-id.", config.run_id, note.get("round"))
+        outcome, code = "already_finished", EXIT_OK
+        return EXIT_OK
     except (RendezvousError, EtcdUnavailableError) as exc:
         # Closing the rendezvous needs the etcd that just failed us: don't wait on it again.
         shutdown_rdzv = not isinstance(exc, (RendezvousConnectionError, EtcdUnavailableError))
@@ -294,3 +309,27 @@ def run(args: argparse.Namespace) -> int:
                 handler.shutdown()
             except Exception:  # the job's outcome is already decided; report, don't mask it
                 logger.warning("Could not close the rendezvous cleanly.", exc_info=True)
+
+
+def _mark_finished(handler: Any, round_: int | None) -> None:
+    """Records the job's success in etcd (our handler only), for nodes that come later."""
+    mark = getattr(handler, "mark_finished", None)
+    if mark is None:
+        return
+    try:
+        mark({"round": round_, "time": time.time()})
+    except Exception:  # the job succeeded either way; a late node then reports a closed rdzv
+        logger.warning("Could not record the end of the job in etcd.", exc_info=True)
+
+
+def _finished_note(handler: Any) -> dict[str, Any] | None:
+    """The note of a job that finished, if ``handler`` can tell (our etcd handler)."""
+    finished = getattr(handler, "finished", None)
+    if finished is None:
+        return None
+    try:
+        note = finished()
+    except Exception:
+        logger.warning("Could not read whether the job finished.", exc_info=True)
+        return None
+    return note if isinstance(note, dict) else None
