@@ -32,8 +32,9 @@ node came or went. Design (torchft-like, fenced by etcd compare-and-swap):
   connections itself (:mod:`~elastic.inplace.sockets`): a peer blocked in a collective with it
   fails at once instead of after the collective timeout.
 * **Joining**: a worker that starts while a world trains registers *not ready* and
-  ``elastic.init()`` returns at once (on local standby groups, with a provisional rank that is
-  never 0); it turns ready when its loop starts, so survivors keep training while it builds
+  ``elastic.init()`` returns at once (on local standby groups, with the running world's size
+  and last rank as provisional values, so "rank 0 only" set-up code does not run on it unless
+  one worker trains alone); it turns ready when its loop starts, so survivors keep training while it builds
   its model and are held only for the group build and the heal.
 * **Heal** (:mod:`~elastic.inplace.heal`): all ranks all-gather their completed step; the
   lowest rank holding the highest step broadcasts model, optimizer, loop state, RNG and
