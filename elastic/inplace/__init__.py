@@ -34,8 +34,8 @@ node came or went. Design (torchft-like, fenced by etcd compare-and-swap):
 * **Joining**: a worker that starts while a world trains registers *not ready* and
   ``elastic.init()`` returns at once (on local standby groups, with the running world's size
   and last rank as provisional values, so "rank 0 only" set-up code does not run on it unless
-  one worker trains alone); it turns ready when its loop starts, so survivors keep training while it builds
-  its model and are held only for the group build and the heal.
+  one worker trains alone); it turns ready when its loop starts, so survivors keep training
+  while it builds its model and are held only for the group build and the heal.
 * **Heal** (:mod:`~elastic.inplace.heal`): all ranks all-gather their completed step; the
   lowest rank holding the highest step broadcasts model, optimizer, loop state, RNG and
   sampler cursor to the ranks behind it (newcomers, or a survivor that did not finish the

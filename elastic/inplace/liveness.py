@@ -50,7 +50,9 @@ class LivenessSocket:
     def __init__(self, host: str = "") -> None:
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._sock.bind((host, 0))
-        self._sock.listen(128)
+        # A deep queue: a burst of probes while the drain thread waits for the GIL must not
+        # overflow it (an overflow drops handshakes: "unknown", and the lease decides).
+        self._sock.listen(socket.SOMAXCONN)
         self.port: int = int(self._sock.getsockname()[1])
         self._thread = threading.Thread(target=self._drain, name="elastic-liveness",
                                         daemon=True)

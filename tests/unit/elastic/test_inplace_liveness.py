@@ -54,10 +54,15 @@ def test_a_live_process_accepts_even_when_stopped_and_a_killed_one_refuses(
     assert probe("127.0.0.1", port) is False
 
 
-def test_many_probes_never_fill_the_accept_queue() -> None:
+def test_many_probes_never_make_a_live_process_look_dead_nor_fill_the_queue() -> None:
     sock = LivenessSocket()
     try:
-        assert all(probe("127.0.0.1", sock.port) is True for _ in range(300))
+        # Under load a probe may time out (its handshake waiting for a retransmit): that is
+        # "unknown", never "dead".
+        answers = [probe("127.0.0.1", sock.port) for _ in range(300)]
+        assert False not in answers
+        # The drain thread keeps the queue from staying full: a patient probe gets through.
+        assert probe("127.0.0.1", sock.port, timeout=10.0) is True
     finally:
         sock.close()
     assert probe("127.0.0.1", sock.port) is False
