@@ -134,6 +134,9 @@ class WorkerQuorum:
         self._watch: PrefixWatch | None = None
         self._info: dict[str, Any] = {}
         self._leaving = False
+        #: (watch revision, live members at it): the step-boundary check parses the member
+        #: keys only when the mirror changed, not at every step.
+        self._live_cache: tuple[int, tuple[str, ...]] | None = None
 
     # -- membership -------------------------------------------------------------------------
 
@@ -210,7 +213,14 @@ class WorkerQuorum:
         """Live, ready member ids in join order; ``fresh`` reads etcd, not the watch mirror."""
         if fresh:
             return self._members_of({kv.key: kv for kv in self.client.get_prefix(self.base)})
-        return self._members_of(self.watch.items())
+        watch = self.watch
+        revision = watch.revision  # before the items: a cached answer is never staler
+        cached = self._live_cache
+        if cached is not None and cached[0] == revision:
+            return cached[1]
+        members = self._members_of(watch.items())
+        self._live_cache = (revision, members)
+        return members
 
     def world(self, *, fresh: bool = False) -> WorldView | None:
         """The current world (from the watch mirror unless ``fresh``)."""
