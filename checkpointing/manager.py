@@ -50,6 +50,7 @@ from checkpointing.layout import (
     parse_dir_name,
     parse_latest,
 )
+from checkpointing.remote_buffers import BufferPool
 from checkpointing.retention import plan_retention
 from checkpointing.shard_io import ShardWriter
 from checkpointing.staging import HostStager
@@ -188,6 +189,8 @@ class CheckpointManager:
         if self._rank == 0:
             self.storage.check_root()
         self._stager = HostStager()
+        # Remote shard files are assembled here; kept between saves like the staging buffers.
+        self._upload_buffers = BufferPool()
         self._inflight: SaveHandle | None = None
         self._inflight_dir: str | None = None
         # Set when the in-flight save's job has finished, retention included.
@@ -310,7 +313,10 @@ class CheckpointManager:
     ) -> CheckpointInfo:
         t0 = time.monotonic()
         dir_path = self.storage.path(dir_name)
-        writer = ShardWriter(self.storage, dir_path, sync=True, thread_count=self.io_threads)
+        writer = ShardWriter(
+            self.storage, dir_path, sync=True, thread_count=self.io_threads,
+            buffers=self._upload_buffers,
+        )
         dcp_save(host_state, storage_writer=writer, process_group=self._pg)
         persist_s = time.monotonic() - t0
         # Each rank checksummed the files it wrote while writing them; the coordinator
@@ -600,6 +606,7 @@ class CheckpointManager:
         self._jobs.put(None)
         if wait:
             self._thread.join(timeout=60)
+        self._upload_buffers.clear()
 
     def __enter__(self) -> CheckpointManager:
         return self

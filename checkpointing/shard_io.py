@@ -9,10 +9,12 @@ torch's local and fsspec ones in four ways:
   every few tens of MiB (so the disk works while serialisation goes on), and each file is
   fsynced once, after its last byte (DCP's own ``sync_files`` fsyncs before its buffer is
   flushed, and falls back to a machine-wide ``os.sync()`` on object stores);
-* remote files are assembled in memory and put whole under the storage retry policy, so a
-  connection reset or an outage shorter than the deadline costs a re-upload, not the save
-  (s3fs puts large objects as parallel multipart uploads);
-* ``.metadata`` is renamed into place with the same retries.
+* remote files are assembled in host buffers kept between saves (``remote_buffers``) and put
+  whole under the storage retry policy, so a connection reset or an outage shorter than the
+  deadline costs a re-upload, not the save (s3fs puts large objects as parallel multipart
+  uploads);
+* ``.metadata`` is renamed into place with the same retries on local disk, and put once under
+  its final name on object stores, where a put is atomic anyway.
 
 The files are plain DCP files: stock ``torch.distributed.checkpoint.load`` reads them.
 """
@@ -31,6 +33,7 @@ from typing import Any, cast
 from torch.distributed.checkpoint.filesystem import FileSystemBase, FileSystemWriter
 
 from checkpointing.layout import FileEntry
+from checkpointing.remote_buffers import BufferPool
 from checkpointing.storage import Storage, fsync_dir
 
 #: Writes smaller than this are gathered first: torch.save emits many tiny header records.
@@ -47,7 +50,6 @@ class _ChecksumStream(io.RawIOBase):
         self.size = 0
         self.crc = 0
         self.aborted = False
-        self._small = bytearray()
 
     def writable(self) -> bool:
         return True
@@ -59,22 +61,12 @@ class _ChecksumStream(io.RawIOBase):
         mv = memoryview(b).cast("B")
         n = mv.nbytes
         self.crc = zlib.crc32(mv, self.crc)
+        self._accept(mv, self.size)
         self.size += n
-        if n < _SMALL_WRITE:
-            self._small += mv
-            if len(self._small) >= _SMALL_WRITE:
-                self._drain()
-        else:
-            self._drain()
-            self._sink(mv)
         return n
 
-    def _drain(self) -> None:
-        if self._small:
-            self._sink(memoryview(self._small))
-            self._small = bytearray()
-
-    def _sink(self, mv: memoryview) -> None:
+    def _accept(self, mv: memoryview, offset: int) -> None:
+        """Take the bytes ``mv`` (valid only during the call) that start at ``offset``."""
         raise NotImplementedError
 
     def entry(self) -> FileEntry:
@@ -84,10 +76,25 @@ class _ChecksumStream(io.RawIOBase):
 class _LocalStream(_ChecksumStream):
     def __init__(self, path: str, *, sync: bool) -> None:
         super().__init__()
+        self._small = bytearray()
         self._sync = sync
         self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
         self._flushed_to = 0
         self._written = 0
+
+    def _accept(self, mv: memoryview, offset: int) -> None:
+        if mv.nbytes < _SMALL_WRITE:
+            self._small += mv
+            if len(self._small) >= _SMALL_WRITE:
+                self._drain()
+        else:
+            self._drain()
+            self._sink(mv)
+
+    def _drain(self) -> None:
+        if self._small:
+            self._sink(memoryview(self._small))
+            self._small = bytearray()
 
     def _sink(self, mv: memoryview) -> None:
         while mv.nbytes:
@@ -123,45 +130,52 @@ class _LocalStream(_ChecksumStream):
 
 
 class _MemoryStream(_ChecksumStream):
-    """Gathers a remote file's bytes as a list of chunks, joined once into ``bytes``.
+    """Assembles a remote file in a pooled buffer (see ``remote_buffers``), one copy per byte."""
 
-    Not a growing ``bytearray``: its reallocations copy the file again and again, and a
-    ``bytearray`` body is slower through botocore than ``bytes`` (measured on moto).
-    """
-
-    def __init__(self) -> None:
+    def __init__(self, pool: BufferPool) -> None:
         super().__init__()
-        self._chunks: list[bytes] = []
+        self._pool = pool
+        self.buffer = pool.acquire()
 
-    def _sink(self, mv: memoryview) -> None:
-        self._chunks.append(bytes(mv))
-
-    def getvalue(self) -> bytes:
-        """The whole file (the chunks are released)."""
-        data = b"".join(self._chunks)
-        self._chunks = []
-        return data
+    def _accept(self, mv: memoryview, offset: int) -> None:
+        # Overwrites the buffer's stale bytes in place, growing it past its end.
+        self.buffer[offset:offset + mv.nbytes] = mv
 
     def close(self) -> None:
-        if not self.closed and not self.aborted:
-            self._drain()
+        if not self.closed:
+            del self.buffer[self.size:]
         super().close()
+
+    def recycle(self) -> None:
+        """Hand the buffer back to the pool (after its upload, or after an abort)."""
+        self._pool.release(self.buffer)
+        self.buffer = bytearray()
 
 
 class ShardFileSystem(FileSystemBase):
     """A DCP ``FileSystemBase`` writing through :class:`Storage`; records what it wrote.
 
+    On object stores a put is atomic by itself, so a file written under a temporary name
+    (DCP's ``.metadata.tmp``) is held in memory and put once, under the name it is renamed to,
+    instead of a put, a copy and a delete.
+
     Args:
         storage: The checkpoint root's storage (its retry policy and filesystem are used).
         sync: fsync local files before reporting them written.
+        buffers: Where remote files are assembled; a private pool when ``None``.
     """
 
-    def __init__(self, storage: Storage, *, sync: bool = True) -> None:
+    def __init__(
+        self, storage: Storage, *, sync: bool = True, buffers: BufferPool | None = None
+    ) -> None:
         self.storage = storage
         self.sync = sync
+        self.buffers = buffers if buffers is not None else BufferPool()
         self._lock = threading.Lock()
         #: Path -> size and CRC32 of every file this object wrote (renames followed).
         self.written: dict[str, FileEntry] = {}
+        # Remote files written under a temporary name, put when renamed.
+        self._held: dict[str, _MemoryStream] = {}
 
     @contextmanager
     def create_stream(  # type: ignore[override]
@@ -171,25 +185,43 @@ class ShardFileSystem(FileSystemBase):
         p = os.fspath(path)
         if mode != "wb":
             raise ValueError(f"Stream mode ({mode}) is not supported; only 'wb' is.")
-        stream: _LocalStream | _MemoryStream
         if self.storage.is_local:
-            stream = self.storage.call(p, lambda: _LocalStream(p, sync=self.sync))
+            yield from self._local_stream(p)
         else:
-            stream = _MemoryStream()
+            yield from self._remote_stream(p)
+
+    def _local_stream(self, p: str) -> Generator[io.IOBase, None, None]:
+        stream = self.storage.call(p, lambda: _LocalStream(p, sync=self.sync))
         try:
             yield stream
             stream.close()
-            if isinstance(stream, _MemoryStream):
-                self.storage.write_bytes(p, stream.getvalue())
-            elif self.sync:
+            if self.sync:
                 fsync_dir(os.path.dirname(p))
         except BaseException:
             stream.aborted = True
             stream.close()
-            if isinstance(stream, _LocalStream):
-                with contextlib.suppress(OSError):
-                    os.unlink(p)
+            with contextlib.suppress(OSError):
+                os.unlink(p)
             raise
+        with self._lock:
+            self.written[p] = stream.entry()
+
+    def _remote_stream(self, p: str) -> Generator[io.IOBase, None, None]:
+        stream = _MemoryStream(self.buffers)
+        try:
+            yield stream
+            stream.close()
+            if p.endswith(".tmp"):
+                with self._lock:
+                    self._held[p] = stream
+                return
+            self.storage.write_buffer(p, stream.buffer)
+        except BaseException:
+            stream.aborted = True
+            stream.close()
+            stream.recycle()
+            raise
+        stream.recycle()
         with self._lock:
             self.written[p] = stream.entry()
 
@@ -204,6 +236,16 @@ class ShardFileSystem(FileSystemBase):
     def rename(self, path: str | os.PathLike[str], new_path: str | os.PathLike[str]) -> None:
         """See base class."""
         src, dst = os.fspath(path), os.fspath(new_path)
+        with self._lock:
+            held = self._held.pop(src, None)
+        if held is not None:
+            try:
+                self.storage.write_buffer(dst, held.buffer)
+            finally:
+                held.recycle()
+            with self._lock:
+                self.written[dst] = held.entry()
+            return
         self.storage.rename(src, dst)
         with self._lock:
             if src in self.written:
@@ -235,15 +277,22 @@ class ShardWriter(FileSystemWriter):
         path: The attempt directory (a path inside ``storage``, no protocol).
         sync: fsync local files (durability before the commit record).
         thread_count: Files written in parallel per rank.
+        buffers: Where remote files are assembled (kept between saves by the caller).
     """
 
     def __init__(
-        self, storage: Storage, path: str, *, sync: bool = True, thread_count: int = 1
+        self,
+        storage: Storage,
+        path: str,
+        *,
+        sync: bool = True,
+        thread_count: int = 1,
+        buffers: BufferPool | None = None,
     ) -> None:
         # DCP's own fsync is off: ShardFileSystem fsyncs after the last byte instead.
         super().__init__(path, single_file_per_rank=True, sync_files=False,
                          thread_count=thread_count, overwrite=True)
-        self.shard_fs = ShardFileSystem(storage, sync=sync)
+        self.shard_fs = ShardFileSystem(storage, sync=sync, buffers=buffers)
         # DCP's writer only calls through ``fs``; ``shard_fs`` keeps the precise type for us.
         self.fs = cast(Any, self.shard_fs)
         self.path = self.fs.init_path(path)

@@ -30,6 +30,7 @@ from tenacity import (
 )
 
 from checkpointing.errors import CheckpointError, CheckpointNotFoundError
+from checkpointing.remote_buffers import BufferBody
 
 logger = logging.getLogger(__name__)
 
@@ -158,6 +159,8 @@ class Storage:
             fs.retries = 1
         self.root: str = str(root).rstrip("/") or "/"
         self.is_local = "file" in _protocols(fs)
+        # s3fs hands a put's body to botocore as is, and botocore takes file objects.
+        self._streams_file_bodies = bool(_S3 & set(_protocols(fs)))
 
     def path(self, *parts: str) -> str:
         """Join ``parts`` under the root."""
@@ -274,6 +277,26 @@ class Storage:
             self.call(path, lambda: _write_local_atomic(path, data))
         else:
             self.call(path, lambda: self.fs.pipe_file(path, data))
+
+    def write_buffer(self, path: str, buffer: bytearray) -> None:
+        """Like :meth:`write_bytes`, without copying ``buffer`` whole where the backend allows.
+
+        s3fs is handed a :class:`~checkpointing.remote_buffers.BufferBody` over the buffer
+        (a fresh one per try, so a retry starts from the first byte); other object stores get
+        a ``bytes`` copy, which every fsspec backend accepts.
+        """
+        if self.is_local or not self._streams_file_bodies:
+            self.write_bytes(path, buffer if self.is_local else bytes(buffer))
+            return
+
+        def put() -> None:
+            body = BufferBody(buffer)
+            try:
+                self.fs.pipe_file(path, body)
+            finally:
+                body.close()
+
+        self.call(path, put)
 
     def rename(self, src: str, dst: str) -> None:
         """Move ``src`` to ``dst`` (on object stores a copy and a delete), retrying."""

@@ -124,3 +124,32 @@ def test_prefix_that_is_an_object_is_rejected_naming_it(endpoint: str, bucket: s
     pattern = r"^Checkpoint URL \(" + re.escape(url) + r"\) is a file"
     with pytest.raises(CheckpointError, match=pattern):
         CheckpointManager(url, storage_options=_options(endpoint))
+
+
+def test_s3_saves_reuse_upload_buffers_without_leaking_stale_bytes(
+    endpoint: str, bucket: str
+) -> None:
+    # Each save assembles its files in buffers the previous save filled: a smaller state after
+    # a larger one must read back exactly, with none of the older, longer bytes behind it.
+    opts = _options(endpoint)
+    url = f"s3://{bucket}/reuse"
+    gen = torch.Generator().manual_seed(7)
+    states = [
+        {f"t{i}": torch.randn(2 * 1024 * 1024, generator=gen) for i in range(6)},  # 48 MiB
+        {f"t{i}": torch.randn(256 * 1024, generator=gen) for i in range(6)},  # 6 MiB: shrinks
+        {f"t{i}": torch.randn(1024 * 1024, generator=gen) for i in range(6)},  # 24 MiB: grows
+    ]
+    with CheckpointManager(url, storage_options=opts, keep_last=3) as mgr:
+        for step, state in enumerate(states, start=1):
+            mgr.save(step, state).committed.result(120)
+            assert mgr._upload_buffers.retained_bytes >= 4 * 256 * 1024 * 6 // 4
+        for step, state in enumerate(states, start=1):
+            out = {k: torch.empty_like(v) for k, v in state.items()}
+            info = mgr.load(out, step=step)
+            assert info is not None and info.step == step
+            for k, v in state.items():
+                assert torch.equal(out[k], v), (step, k)
+    fs = s3fs.S3FileSystem(**opts)
+    names = sorted(p.rsplit("/", 1)[-1] for p in fs.ls(f"{bucket}/reuse/step-0000000003_r0000"))
+    # .metadata was put once under its own name: no temporary left behind, no copy made.
+    assert ".metadata" in names and not any(n.endswith(".tmp") for n in names)
