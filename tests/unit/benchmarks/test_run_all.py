@@ -76,7 +76,8 @@ def _checkpoint_json(s3_ours: float) -> dict[str, Any]:
         run_all.CKPT_DCP_ASYNC: _timing(1.20, 3.00),
         run_all.CKPT_OURS: _timing(0.12, 1.50),
     }
-    s3 = {run_all.CKPT_S3_RAW: _timing(2.0, 2.0), run_all.CKPT_S3_OURS: _timing(0.1, s3_ours)}
+    s3 = {run_all.CKPT_S3_RAW: _timing(2.0, 2.0), run_all.CKPT_S3_RAW_ZERO_COPY: _timing(1.6, 1.6),
+          run_all.CKPT_S3_OURS: _timing(0.1, s3_ours)}
     data = {"repeats": 3, "settle": 1.0,
             **results_json([(300, 300 * run_all.MiB, local)], (300, 300 * run_all.MiB, s3))}
     loaded: dict[str, Any] = json.loads(json.dumps(data))  # as read back from the file
@@ -103,6 +104,8 @@ def test_checkpoint_rows_ratios_and_goals() -> None:
     s3 = _one(rows, "durable on S3", "raw s3fs puts, 4 in parallel")
     assert s3.ratio == pytest.approx(1.25) and s3.met is True
     assert "300 MiB" in s3.measure
+    floor = _one(rows, "durable on S3", "the same puts, zero-copy body")
+    assert floor.ratio == pytest.approx(2.5 / 1.6) and floor.goal == "" and floor.met is None
 
 
 def test_checkpoint_s3_goal_missed_and_rendered() -> None:
@@ -122,7 +125,8 @@ def test_checkpoint_names_are_the_scripts() -> None:
     """The method names run_all looks up are the ones checkpoint_throughput.py writes."""
     source = (REPO / "benchmarks" / "checkpoint_throughput.py").read_text()
     for name in (run_all.CKPT_COPY_FLOOR, run_all.CKPT_DISK_FLOOR, run_all.CKPT_DCP_ASYNC,
-                 run_all.CKPT_OURS, run_all.CKPT_S3_RAW, run_all.CKPT_S3_OURS):
+                 run_all.CKPT_OURS, run_all.CKPT_S3_RAW, run_all.CKPT_S3_RAW_ZERO_COPY,
+                 run_all.CKPT_S3_OURS):
         assert f'"{name}"' in source
 
 
@@ -290,7 +294,7 @@ def test_failed_and_timed_out_benchmarks_are_shown_as_failed(tmp_path: Path) -> 
                           datetime.now(timezone.utc), 30.0, (1.0, 2.0), "full")
     summary = text.split("\n## ")[0]
     assert "| recovery | **failed**: exit status 1" in summary
-    assert summary.count("| checkpoint |") == 5
+    assert summary.count("| checkpoint |") == 6
     assert "RuntimeError: etcd did not start" in text  # the end of the failed log
     assert "## checkpoint: `checkpoint_throughput.py`" in text and "| 300 MiB | ours |" in text
     assert "- command: `python benchmarks/run_all.py`" in text
