@@ -2,10 +2,9 @@
 
 A remote shard file is assembled in memory before it is put whole (see ``shard_io``). Fresh
 memory for it would be faulted in page by page at every save, which costs more than the copy
-itself (about 2 GB/s against 10 here), so each buffer is a ``bytearray`` kept between saves:
-CPython shrinks a ``bytearray`` in place when it loses less than half its length, and grows it
-within its old allocation without a new one, so a shard of about the same size as last time
-reuses the same, already resident, pages.
+itself (about 2 GB/s against 10 here), so each buffer is a ``bytearray`` kept between saves
+at the length of the largest file it held: the next file overwrites it in place, on pages that
+are already resident, and only the part of a file past the buffer's end grows it.
 
 Uploading must not copy it again either. botocore turns a ``bytes`` body into ``BytesIO``, and
 aiohttp then asks for its buffer, which un-shares the ``BytesIO`` (a full copy into fresh

@@ -130,26 +130,31 @@ class _LocalStream(_ChecksumStream):
 
 
 class _MemoryStream(_ChecksumStream):
-    """Assembles a remote file in a pooled buffer (see ``remote_buffers``), one copy per byte."""
+    """Assembles a remote file in a pooled buffer (see ``remote_buffers``), one copy per byte.
+
+    The buffer keeps the length of the largest file it ever held (bytes past this file's end
+    are a previous save's and are never uploaded), so a small file after a large one does not
+    give the large one's memory back.
+    """
 
     def __init__(self, pool: BufferPool) -> None:
         super().__init__()
         self._pool = pool
-        self.buffer = pool.acquire()
+        self._buffer = pool.acquire()
 
     def _accept(self, mv: memoryview, offset: int) -> None:
-        # Overwrites the buffer's stale bytes in place, growing it past its end.
-        self.buffer[offset:offset + mv.nbytes] = mv
+        # Overwrites stale bytes in place; grows the buffer only past its end.
+        self._buffer[offset:offset + mv.nbytes] = mv
 
-    def close(self) -> None:
-        if not self.closed:
-            del self.buffer[self.size:]
-        super().close()
+    def upload(self, storage: Storage, path: str) -> None:
+        """Put the file's bytes at ``path`` (retried by ``storage``)."""
+        with memoryview(self._buffer)[:self.size] as data:
+            storage.write_buffer(path, data)
 
     def recycle(self) -> None:
         """Hand the buffer back to the pool (after its upload, or after an abort)."""
-        self._pool.release(self.buffer)
-        self.buffer = bytearray()
+        self._pool.release(self._buffer)
+        self._buffer = bytearray()
 
 
 class ShardFileSystem(FileSystemBase):
@@ -215,7 +220,7 @@ class ShardFileSystem(FileSystemBase):
                 with self._lock:
                     self._held[p] = stream
                 return
-            self.storage.write_buffer(p, stream.buffer)
+            stream.upload(self.storage, p)
         except BaseException:
             stream.aborted = True
             stream.close()
@@ -240,7 +245,7 @@ class ShardFileSystem(FileSystemBase):
             held = self._held.pop(src, None)
         if held is not None:
             try:
-                self.storage.write_buffer(dst, held.buffer)
+                held.upload(self.storage, dst)
             finally:
                 held.recycle()
             with self._lock:

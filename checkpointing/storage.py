@@ -278,19 +278,19 @@ class Storage:
         else:
             self.call(path, lambda: self.fs.pipe_file(path, data))
 
-    def write_buffer(self, path: str, buffer: bytearray) -> None:
-        """Like :meth:`write_bytes`, without copying ``buffer`` whole where the backend allows.
+    def write_buffer(self, path: str, data: memoryview) -> None:
+        """Like :meth:`write_bytes`, without copying ``data`` whole where the backend allows.
 
-        s3fs is handed a :class:`~checkpointing.remote_buffers.BufferBody` over the buffer
-        (a fresh one per try, so a retry starts from the first byte); other object stores get
-        a ``bytes`` copy, which every fsspec backend accepts.
+        s3fs is handed a :class:`~checkpointing.remote_buffers.BufferBody` over the bytes (a
+        fresh one per try, so a retry starts from the first byte); local disk and other object
+        stores get a ``bytes`` copy, which every fsspec backend accepts.
         """
-        if self.is_local or not self._streams_file_bodies:
-            self.write_bytes(path, buffer if self.is_local else bytes(buffer))
+        if not self._streams_file_bodies:
+            self.write_bytes(path, bytes(data))
             return
 
         def put() -> None:
-            body = BufferBody(buffer)
+            body = BufferBody(data)
             try:
                 self.fs.pipe_file(path, body)
             finally:
