@@ -126,10 +126,10 @@ class CheckpointManager:
 
     Every rank of ``process_group`` must call :meth:`save` and :meth:`load` with the same steps.
 
-    Host memory: each rank keeps a copy of its state in staging buffers between saves, and on
-    remote storage about as much again in upload buffers (each file is assembled there before
-    it is put); both are reused, since freshly allocated memory is slower to fill than to
-    copy, and :meth:`close` gives the upload buffers back.
+    Host memory: each rank keeps a copy of its state in staging buffers between saves and, on
+    remote storage, the files it writes (its share of the state) in upload buffers, where
+    each is assembled before it is put. Both are reused because freshly allocated memory
+    takes longer to fill than the copy itself; :meth:`close` gives the upload buffers back.
 
     Args:
         url: Checkpoint root: a local path, ``file://``, ``s3://bucket/prefix``, any fsspec URL.
