@@ -160,6 +160,10 @@ def _ddp_worker(rank: int, world_size: int, workdir: str) -> None:
                 (loss * plan.loss_scale).backward()
         assert model.weight.grad is not None
         torch.save(model.weight.grad, os.path.join(workdir, f"grad{rank}.pt"))
+        # Both ranks are done with the group before either tears it down, and DDP's reducer
+        # goes first: a gloo thread still running at exit aborts the process (seen in CI).
+        dist.barrier()
+        del ddp
     finally:
         dist.destroy_process_group()
 
