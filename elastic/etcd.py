@@ -28,6 +28,7 @@ import logging
 import os
 import re
 import threading
+import time
 import urllib.parse
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -616,6 +617,10 @@ class Lease:
         self.ttl = ttl
         self.id = client.grant_lease(ttl)
         self.lost = threading.Event()
+        #: ``time.monotonic()`` of the last refresh etcd confirmed (the grant counts as one):
+        #: etcd drops the lease ``ttl`` seconds after it, so a holder that cannot refresh
+        #: knows how long it may still act as a member.
+        self.last_refreshed = time.monotonic()
         self._on_lost = on_lost
         self._stop = threading.Event()
         self._thread = threading.Thread(
@@ -637,6 +642,8 @@ class Lease:
                 logger.warning("keeping etcd lease %x alive failed; retrying", self.id,
                                exc_info=logger.isEnabledFor(logging.DEBUG))
                 continue
+            if remaining > 0:
+                self.last_refreshed = time.monotonic()
             if remaining <= 0 and not self._stop.is_set():
                 logger.warning("etcd lease %x is gone (expired or revoked)", self.id)
                 self.lost.set()
@@ -646,6 +653,13 @@ class Lease:
                     except Exception:
                         logger.exception("etcd lease-loss callback failed")
                 return
+
+    def fresh(self, margin: float = 0.5) -> bool:
+        """Whether etcd certainly still holds the lease: refreshed less than ``margin * ttl``
+        seconds ago and not known lost (a partitioned holder turns not fresh well before
+        etcd expires the lease, so it stops acting as a member in time)."""
+        return not self.lost.is_set() and (
+            time.monotonic() - self.last_refreshed < margin * self.ttl)
 
     def stop(self) -> None:
         """Stops refreshing without revoking (the lease then expires after its TTL)."""

@@ -1,0 +1,28 @@
+"""elastic-run's membership protocol on etcd: JSON node records, one world, one authority.
+
+Keys of one job id (``key_prefix`` defaults to ``/elastic``)::
+
+    {prefix}/{job}/generation            the current run of the job id (running / finished /
+                                         failed); a finished id can be reused for a fresh run
+    {prefix}/{job}/g{n}/nodes/{node}     one JSON record per node, written only by its agent
+                                         (plain puts), on the agent's lease (TTL
+                                         ``--inplace-ttl``): the node's address, its spare
+                                         store port, its workers and their readiness
+    {prefix}/{job}/g{n}/job/world        the world: JSON {epoch, members with their workers in
+                                         rank order, store, mode}, written only by
+                                         compare-and-swap on its mod revision
+    {prefix}/{job}/g{n}/job/leader       the leader's node id, on the leader's lease
+    {prefix}/{job}/g{n}/job/end          how the run ended (lingers briefly on a lease)
+    {prefix}/{job}/g{n}/store/           an etcd Store for torchrun's agent (plugin only)
+
+One authority: the world's epochs are the only sequence. Agent rounds (restart mode) and
+in-place reconfigurations are the same epochs of the same record, and the leader is the only
+writer of it; every other agent follows ``job/`` with one watch. Costs: a join is one put
+(never a conflict), a heartbeat is a lease keep-alive (no write), a round is one
+compare-and-swap by the leader, and a vacancy costs one create attempt per agent. Workers do
+not talk to etcd at all: they learn the world from their node's agent over a local socket, so
+etcd's load grows with nodes, never with workers, and credentials stay with the agent.
+
+Nothing is pickled: every value is JSON with a ``format`` field, parsed field by field
+(:mod:`~elastic.rdzv.records`); a foreign or damaged value is refused with one sentence.
+"""

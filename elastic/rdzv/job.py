@@ -1,0 +1,132 @@
+"""One agent's part in the membership protocol: its node, its view of the run, the leader loop.
+
+:class:`RunMembership` is what the node agent (and the torchrun plugin handler) use; it
+hides how the pieces are wired. See the package docstring for the protocol.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import socket
+import urllib.parse
+from collections.abc import Callable
+from typing import Any
+
+from elastic.errors import ConfigError
+from elastic.etcd import EtcdClient
+from elastic.rdzv.generation import DEFAULT_LINGER_S, end_run
+from elastic.rdzv.keys import JobKeys
+from elastic.rdzv.leader import LeaderLoop, RunLimits
+from elastic.rdzv.node import NodeMembership
+from elastic.rdzv.records import EndRecord, NodeRecord, WorldRecord
+from elastic.rdzv.view import JobView
+
+__all__ = ["RunMembership", "new_node_id", "registered_address"]
+
+logger = logging.getLogger(__name__)
+
+
+def new_node_id(host: str | None = None) -> str:
+    """A node id unique per agent incarnation: ``{host}-{8 random hex}``.
+
+    Unique even when pods share a host name and a PID layout, and different after a restart
+    of the same agent, so an old incarnation's record can never be mistaken for the new one.
+    """
+    name = (host or socket.gethostname()).replace("/", "_") or "node"
+    return f"{name}-{secrets.token_hex(4)}"
+
+
+def registered_address(local_addr: str | None, endpoint: str) -> str:
+    """The address peers dial to reach this node.
+
+    ``--local-addr`` when given; otherwise the address of the interface this host uses to
+    reach etcd (a UDP ``connect`` sends nothing, it only picks the route), which is the
+    address the other nodes can reach too. ``gethostname()`` is never used: from another
+    pod or host that name usually does not resolve.
+
+    Raises:
+        ConfigError: If neither gives an address.
+    """
+    if local_addr:
+        return local_addr
+    first = endpoint.split(",")[0].strip()
+    parsed = urllib.parse.urlsplit(first if "://" in first else f"http://{first}")
+    host, port = parsed.hostname or "127.0.0.1", parsed.port or 2379
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)
+        family, _, _, _, address = infos[0]
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.connect(address)
+            return str(probe.getsockname()[0])
+    except OSError as exc:
+        raise ConfigError(
+            f"could not find the address that reaches etcd ({first}: {exc}); pass "
+            "--local-addr with this node's address."
+        ) from exc
+
+
+class RunMembership:
+    """Joins one run as one node and follows its worlds.
+
+    Args:
+        client: The etcd client.
+        keys: The run's keys (from :func:`~elastic.rdzv.generation.open_run`).
+        limits: Node counts and settle time.
+        ttl: The node lease TTL (how long a silent node stays a member).
+        linger: Seconds the run's end record stays for nodes that come late.
+        on_change: Called (from a watch thread, must not block) whenever the control keys
+            change: a new world, a new leader, the run's end.
+        on_lease_lost: Called once when etcd dropped this node (see :class:`NodeMembership`).
+    """
+
+    def __init__(self, client: EtcdClient, keys: JobKeys, *, limits: RunLimits, ttl: int,
+                 linger: int = DEFAULT_LINGER_S, on_change: Callable[[], None] | None = None,
+                 on_lease_lost: Callable[[], None] | None = None) -> None:
+        self.client = client
+        self.keys = keys
+        self.limits = limits
+        self.linger = linger
+        self.node = NodeMembership(client, keys, ttl=ttl, on_lost=on_lease_lost)
+        self.view = JobView(client, keys, on_change=on_change)
+        self.leader = LeaderLoop(client, keys, self.node, self.view, limits, self.end)
+
+    def join(self, record: NodeRecord) -> None:
+        """Publishes this node and starts campaigning for leadership."""
+        self.node.join(record)
+        self.leader.start()
+
+    def rejoin(self, record: NodeRecord) -> None:
+        """Joins again under a new node id after the lease was lost (a new incarnation)."""
+        self.node.join(record)
+        self.leader.poke()
+
+    def update(self, **changes: Any) -> NodeRecord:
+        """Rewrites this node's record with ``changes`` and lets the leader decide again."""
+        record = self.node.update(**changes)
+        self.leader.poke()
+        return record
+
+    @property
+    def me(self) -> str:
+        """This node's id."""
+        return self.node.record.node
+
+    def world(self) -> WorldRecord | None:
+        """The current world (from memory)."""
+        return self.view.world()
+
+    def wait(self, predicate: Callable[[JobView], bool], timeout: float) -> bool:
+        """Waits until ``predicate(view)`` holds (woken by the watch)."""
+        return self.view.wait(predicate, timeout)
+
+    def end(self, end: EndRecord) -> bool:
+        """Ends the run (once, whoever calls first); returns whether this call did."""
+        return end_run(self.client, self.keys, end, linger=self.linger)
+
+    def leave(self) -> None:
+        """Stops leading, revokes the lease (the node record goes at once), stops watching."""
+        self.leader.stop()
+        self.node.leave()
+        self.view.close()
+

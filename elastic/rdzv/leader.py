@@ -1,0 +1,298 @@
+"""The one agent that writes the world: elected by etcd, replaced the moment it is gone.
+
+Election is a create-if-absent of the run's ``leader`` key on the candidate's own node
+lease, so the key vanishes with the leader (a crash, a silent host, a clean exit) and the
+survivors race to create it again: one attempt per agent per vacancy, one winner. Only the
+leader mirrors the node records (a prefix watch); from them and the current world it computes
+the next world (:func:`~elastic.rdzv.proposal.next_world`, the same on every agent) and writes
+it by compare-and-swap on the world key's revision:
+
+* a loss (a worker gone, evicted or departing) is written at once: survivors are waiting;
+* growth (joiners) and the first world wait for the last-call settle: the proposal must stay
+  the same for ``last_call`` seconds, so several joins become one reconfiguration;
+* a world whose every worker turned in-place capable is rewritten with ``mode: inplace``
+  (same epoch, same ranks);
+* every member reporting the same failure at the same step (the script's own bug) ends the
+  run at once (:func:`~elastic.rdzv.proposal.common_failure`);
+* workers every other worker waits for (the progress rule) are left out of the next world
+  (:func:`~elastic.rdzv.proposal.laggards`).
+
+A CAS the leader loses (a deposed leader, a duplicate after a retry) costs nothing: the watch
+brings the winner's world and the loop decides again from it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Final
+
+from elastic.errors import EtcdUnavailableError
+from elastic.etcd import EtcdClient, PrefixWatch, WatchEvent
+from elastic.rdzv.keys import JobKeys
+from elastic.rdzv.node import NodeMembership
+from elastic.rdzv.proposal import Change, classify, common_failure, laggards, next_world
+from elastic.rdzv.records import EndRecord, NodeRecord, WorldRecord, parse_nodes
+from elastic.rdzv.view import JobView
+
+__all__ = ["LeaderLoop", "LeaderStats", "RunLimits"]
+
+logger = logging.getLogger(__name__)
+
+_IDLE_WAKE_S: Final = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class RunLimits:
+    """How many nodes a world may have, and how long joins settle.
+
+    Attributes:
+        min_nodes: Fewest nodes a world trains with.
+        max_nodes: Most nodes a world takes (the rest wait).
+        last_call: Seconds a growing proposal must stay unchanged before it is written.
+    """
+
+    min_nodes: int
+    max_nodes: int
+    last_call: float = 1.0
+
+
+@dataclass
+class LeaderStats:
+    """What leading cost (read by tests and the rendezvous benchmark)."""
+
+    cas_attempts: int = 0
+    cas_won: int = 0
+    election_attempts: int = 0
+    worlds_written: list[int] = field(default_factory=list)
+
+
+class LeaderLoop:
+    """Campaigns for leadership and, while leading, writes the run's worlds.
+
+    Args:
+        client: The etcd client.
+        keys: The run's keys.
+        node: This agent's membership (its lease carries the leader key).
+        view: The run's control keys.
+        limits: Node counts and settle time.
+        end_run: Called to end the run when every member failed the same way.
+    """
+
+    def __init__(self, client: EtcdClient, keys: JobKeys, node: NodeMembership,
+                 view: JobView, limits: RunLimits,
+                 end_run: Callable[[EndRecord], object]) -> None:
+        self._client = client
+        self._keys = keys
+        self._node = node
+        self._view = view
+        self._limits = limits
+        self._end_run = end_run
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._nodes: PrefixWatch | None = None
+        self._pending: tuple[tuple[str, ...], str] | None = None
+        self._pending_since = 0.0
+        self._used_stores: set[tuple[str, int]] = set()
+        self._ended = False
+        #: The world this leader wrote last: newer than the view until the watch delivers it,
+        #: and deciding from the older one would write a duplicate that can only fail.
+        self._written: WorldRecord | None = None
+        self.stats = LeaderStats()
+        self.leading = False
+        view.add_listener(self._wake.set)
+        self._thread = threading.Thread(target=self._run, name="elastic-leader", daemon=True)
+
+    def start(self) -> None:
+        """Starts the loop's thread."""
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stops leading (the leader key goes with the node's lease)."""
+        self._stop.set()
+        self._wake.set()
+        if self._nodes is not None:
+            self._nodes.cancel()
+
+    def poke(self) -> None:
+        """Makes the loop decide again now (e.g. after this node's own record changed)."""
+        self._wake.set()
+
+    # -- the loop ---------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            timeout = _IDLE_WAKE_S
+            try:
+                if self._view.end() is not None:
+                    return
+                if self._campaign():
+                    timeout = self._lead()
+            except EtcdUnavailableError as exc:
+                logger.warning("leader loop: etcd unavailable (%s); retrying", exc)
+            except Exception:  # the loop must outlive any single bad decision
+                logger.exception("leader loop failed; retrying")
+            self._wake.wait(timeout)
+            self._wake.clear()
+        self._abdicate()
+
+    def _campaign(self) -> bool:
+        """Whether this node leads, trying to become the leader if nobody does."""
+        me = self._node.record.node
+        lease = self._node.lease
+        current = self._view.leader()
+        if current == me and lease is not None and not lease.lost.is_set():
+            if not self.leading:
+                self._become_leader()
+            return True
+        if self.leading:
+            self._abdicate()
+        if current is not None or lease is None or lease.lost.is_set():
+            return False
+        self.stats.election_attempts += 1
+        won = self._client.create(self._keys.leader, me.encode(), lease=lease.id)
+        if won:
+            self._become_leader()
+        return won
+
+    def _become_leader(self) -> None:
+        self.leading = True
+        self._pending = None
+        self._written = None
+        self._nodes = self._client.watch_prefix(self._keys.nodes, on_change=self._on_nodes)
+        logger.info("node %s leads run %s", self._node.record.node, self._keys.root)
+
+    def _abdicate(self) -> None:
+        if self._nodes is not None:
+            self._nodes.cancel()
+            self._nodes = None
+        self.leading = False
+
+    def _on_nodes(self, events: Sequence[WatchEvent]) -> None:
+        self._wake.set()
+
+    def node_records(self) -> list[NodeRecord]:
+        """The live node records (leader only; empty otherwise)."""
+        watch = self._nodes
+        if watch is None:
+            return []
+        items = watch.items()
+        return parse_nodes([(kv.key, kv.value, kv.create_revision) for kv in items.values()],
+                           on_error=lambda exc: logger.warning("ignoring %s", exc))
+
+    def _lead(self) -> float:
+        """One decision; returns how long to sleep if nothing changes meanwhile."""
+        nodes = self.node_records()
+        current = self._view.world()
+        written = self._written
+        if written is not None and (current is None or current.revision < written.revision):
+            current = written
+        if current is None and self._view.world_error() is not None:
+            self._replace_invalid_world(nodes)
+            return 0.0
+        if current is not None and current.members and not self._ended:
+            failure = common_failure(current, nodes)
+            if failure is not None:
+                self._ended = True
+                self._end_run(EndRecord(
+                    "failed", f"every worker failed at step {failure.step} with the same "
+                    f"error: {failure.error}", failure.step))
+                return _IDLE_WAKE_S
+            slow = laggards(current, nodes)
+            if slow:
+                nodes = _without_workers(nodes, slow)
+                logger.warning("evicting worker(s) %s: every other worker has waited for "
+                               "them in the step's collective past the hang threshold",
+                               ", ".join(slow))
+        proposal = next_world(current, nodes, min_nodes=self._limits.min_nodes,
+                              max_nodes=self._limits.max_nodes, used_stores=self._used_stores)
+        change = classify(current, proposal)
+        if change is Change.NONE:
+            self._pending = None
+            if (proposal is not None and current is not None and current.mode == "restart"
+                    and proposal.mode == "inplace"):
+                # Same ranks, every worker now in-place capable: upgrade this epoch.
+                upgraded = WorldRecord(current.epoch, current.members, current.store,
+                                       "inplace")
+                self._write(upgraded, current)
+            return _IDLE_WAKE_S
+        assert proposal is not None
+        if change is Change.LOSS:
+            self._write(proposal, current)
+            return 0.0
+        signature = (proposal.ranks(), proposal.mode)
+        now = time.monotonic()
+        if self._pending != signature:
+            self._pending, self._pending_since = signature, now
+        remaining = self._limits.last_call - (now - self._pending_since)
+        if remaining <= 0 or self._complete(nodes, proposal):
+            self._write(proposal, current)
+            return 0.0
+        return remaining
+
+    def _complete(self, nodes: Sequence[NodeRecord], proposal: WorldRecord) -> bool:
+        """Nobody else can come: max nodes, each with every slot ready (no need to settle)."""
+        if len(proposal.members) < self._limits.max_nodes:
+            return False
+        by_node = {n.node: n for n in nodes}
+        return all(
+            (record := by_node.get(m.node)) is not None
+            and len(m.workers) == len(record.workers)
+            for m in proposal.members
+        )
+
+    def _write(self, proposal: WorldRecord, current: WorldRecord | None) -> None:
+        self.stats.cas_attempts += 1
+        written, after = self._client.cas(
+            self._keys.world, proposal.dumps(), current.revision if current else None)
+        self._pending = None
+        if written and after is not None:
+            self._written = WorldRecord(proposal.epoch, proposal.members, proposal.store,
+                                        proposal.mode, revision=after.mod_revision)
+            self.stats.cas_won += 1
+            self.stats.worlds_written.append(proposal.epoch)
+            self._used_stores.add(proposal.store)
+            logger.info("world epoch %d (%s): %d worker(s) on %d node(s): %s", proposal.epoch,
+                        proposal.mode, proposal.world_size, len(proposal.members),
+                        ",".join(proposal.nodes()))
+
+    def _replace_invalid_world(self, nodes: Sequence[NodeRecord]) -> None:
+        """The world key holds something that is not a world record: overwrite it.
+
+        Its epoch is unknown, so the new epoch is the damaged key's mod revision, which is
+        larger than any epoch written before it (each epoch took at least one revision):
+        epochs stay increasing and no process-group store prefix is ever reused.
+        """
+        kv = self._view.world_kv()
+        if kv is None:
+            return
+        proposal = next_world(None, nodes, min_nodes=self._limits.min_nodes,
+                              max_nodes=self._limits.max_nodes, used_stores=self._used_stores)
+        if proposal is None:
+            return
+        replacement = WorldRecord(kv.mod_revision, proposal.members, proposal.store,
+                                  proposal.mode)
+        self.stats.cas_attempts += 1
+        written, _ = self._client.cas(self._keys.world, replacement.dumps(), kv.mod_revision)
+        if written:
+            self.stats.cas_won += 1
+            logger.warning("replaced the invalid world record with epoch %d",
+                           replacement.epoch)
+
+
+def _without_workers(nodes: Sequence[NodeRecord], evicted: Sequence[str]) -> list[NodeRecord]:
+    """The node records with ``evicted`` workers marked not ready (left out of a proposal)."""
+    gone = set(evicted)
+    updated = []
+    for record in nodes:
+        workers = tuple(
+            w if f"{record.node}/{w.local_id}" not in gone
+            else type(w)(w.local_rank, w.incarnation, False, w.inplace, w.pid)
+            for w in record.workers
+        )
+        updated.append(record.with_changes(workers=workers) if workers != record.workers
+                       else record)
+    return updated

@@ -1,0 +1,184 @@
+"""What the next world should be: pure functions of the current world and the node records.
+
+Any agent computes the same answer from the same inputs, so whichever agent writes it (the
+leader, by compare-and-swap) writes what everyone would have written. Nothing here touches
+etcd or a clock: callers pass ``now`` where time matters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+from enum import Enum
+
+from elastic.rdzv.records import NodeRecord, WorldMember, WorldRecord, worker_id
+
+__all__ = ["Change", "classify", "common_failure", "laggards", "next_world"]
+
+
+def _candidates(nodes: Sequence[NodeRecord], current: WorldRecord | None,
+                max_nodes: int) -> list[NodeRecord]:
+    """Nodes that can train now, in rank order: survivors keep theirs, joiners follow."""
+    usable = [n for n in nodes if n.departing is None and n.ready_workers()]
+    order = {node: index for index, node in enumerate(current.nodes())} if current else {}
+    usable.sort(key=lambda n: (order.get(n.node, len(order)), n.create_revision, n.node))
+    return usable[:max_nodes]
+
+
+def _store_host(members: Sequence[NodeRecord], used: Collection[tuple[str, int]]
+                ) -> tuple[str, int]:
+    """The first member whose spare store server no world has used yet.
+
+    An agent replaces its spare server once a world names it, but the leader may write the
+    next world before that new port reaches etcd; a server is never handed to two worlds.
+    """
+    for node in members:
+        if (node.addr, node.store_port) not in used:
+            return node.addr, node.store_port
+    return members[0].addr, members[0].store_port
+
+
+def next_world(
+    current: WorldRecord | None,
+    nodes: Sequence[NodeRecord],
+    *,
+    min_nodes: int,
+    max_nodes: int,
+    used_stores: Collection[tuple[str, int]] = (),
+) -> WorldRecord | None:
+    """The world the job should train in now, or ``None`` if fewer than ``min_nodes`` can.
+
+    Rules (the same on every agent):
+
+    * a node takes part while it is live (its key exists), not departing, and has ready
+      workers; only its ready workers join;
+    * ranks are deterministic: nodes of the current world keep their order (survivors keep
+      their ranks where possible), new nodes follow in join order (key create revision);
+    * at most ``max_nodes`` nodes, and at most ``max_world`` workers where a node declares
+      that cap (the global batch: more ranks than samples would leave ranks idle; the
+      workers beyond the cap wait as spares);
+    * the world reconfigures in place only if every one of its workers says it can.
+
+    Returns:
+        The proposal with epoch ``current.epoch + 1``; compare it with
+        :meth:`WorldRecord.same_composition` before writing it.
+    """
+    members = _candidates(nodes, current, max_nodes)
+    caps = [n.max_world for n in members if n.max_world is not None]
+    budget = min(caps) if caps else None
+    chosen: list[tuple[NodeRecord, tuple[str, ...]]] = []
+    inplace = True
+    for node in members:
+        ready = node.ready_workers()
+        if budget is not None:
+            ready = ready[: max(0, budget)]
+            budget -= len(ready)
+        if not ready:
+            continue
+        inplace = inplace and all(w.inplace for w in ready)
+        chosen.append((node, tuple(w.local_id for w in ready)))
+    if len(chosen) < min_nodes or not chosen:
+        return None
+    used = set(used_stores)
+    if current is not None:
+        used.add(current.store)
+    return WorldRecord(
+        epoch=(current.epoch if current else 0) + 1,
+        members=tuple(WorldMember(n.node, n.addr, workers) for n, workers in chosen),
+        store=_store_host([n for n, _ in chosen], used),
+        mode="inplace" if inplace else "restart",
+    )
+
+
+class Change(str, Enum):
+    """How a proposal differs from the current world, which decides when to write it.
+
+    * ``NONE``: the same workers; nothing to write (a mode upgrade aside).
+    * ``LOSS``: a worker of the current world is gone (dead, evicted, departing, not ready):
+      write at once, survivors are waiting.
+    * ``GROWTH``: only new workers: write after the last-call settle, so that several joins
+      become one reconfiguration.
+    * ``FIRST``: no world yet: write after the settle (more nodes may be on their way).
+    """
+
+    NONE = "none"
+    LOSS = "loss"
+    GROWTH = "growth"
+    FIRST = "first"
+
+
+def classify(current: WorldRecord | None, proposal: WorldRecord | None) -> Change:
+    """Classifies ``proposal`` against ``current`` (see :class:`Change`)."""
+    if proposal is None:
+        # Nobody can train; if the current world lost members, its survivors wait.
+        return Change.NONE
+    if current is None or not current.members:
+        return Change.FIRST
+    if proposal.same_composition(current):
+        return Change.NONE
+    if set(current.ranks()) - set(proposal.ranks()):
+        return Change.LOSS
+    return Change.GROWTH
+
+
+@dataclass(frozen=True, slots=True)
+class CommonFailure:
+    """Every worker of a world died of the same error at the same step: the script's bug."""
+
+    step: int
+    error: str
+
+
+def common_failure(world: WorldRecord, nodes: Sequence[NodeRecord]) -> CommonFailure | None:
+    """The script's own bug, if every member node reports the same failure of this world.
+
+    A failure counts when a node reports it for this world's epoch; every member node must
+    report the same error at the same step. One node's crash (a rank-specific fault, a
+    killed process) is not a common failure: it costs that node's crash budget instead.
+    """
+    by_node = {n.node: n for n in nodes}
+    seen: set[tuple[int, str]] = set()
+    for node in world.nodes():
+        record = by_node.get(node)
+        failure = record.failure if record is not None else None
+        if not failure or failure.get("epoch") != world.epoch:
+            return None
+        seen.add((int(failure.get("step", -1)), str(failure.get("error", ""))))
+    if len(seen) != 1:
+        return None
+    step, error = seen.pop()
+    return CommonFailure(step, error)
+
+
+def laggards(world: WorldRecord, nodes: Sequence[NodeRecord]) -> tuple[str, ...]:
+    """Workers that hold the step back: every other worker waits for them (progress rule).
+
+    A node reports ``waiting = {epoch, step, workers}`` once some of its workers have waited
+    in a step's collective for longer than the hang threshold. When, for this world, the
+    waiting workers at one step are all but a few, those few are evicted: they are alive
+    (their agent's lease holds) yet make no progress. A world where *every* worker waits
+    has no laggard (a network partition between peers): nothing is decided here.
+
+    Returns:
+        Job-wide worker ids (:func:`~elastic.rdzv.records.worker_id`) of the laggards.
+    """
+    by_node = {n.node: n for n in nodes}
+    waiting: dict[int, set[str]] = {}
+    for member in world.members:
+        record = by_node.get(member.node)
+        note = record.waiting if record is not None else None
+        if not note or note.get("epoch") != world.epoch:
+            continue
+        ids = {worker_id(member.node, w) for w in note.get("workers", ()) if w in member.workers}
+        waiting.setdefault(int(note.get("step", -1)), set()).update(ids)
+    if not waiting:
+        return ()
+    step = max(waiting)
+    held = waiting[step]
+    everyone = world.ranks()
+    behind = tuple(w for w in everyone if w not in held)
+    # Evict only a minority: if most workers are not waiting, the "waiting" ones are the
+    # odd ones out (or the step is just long), and evicting the majority would be wrong.
+    if not behind or len(behind) * 2 > len(everyone):
+        return ()
+    return behind

@@ -1,0 +1,153 @@
+"""The membership protocol against a real etcd: simulated agents (threads) join, leave, lead.
+
+Every agent here is a real :class:`RunMembership` over its own client; the assertions are on
+what etcd holds and on what each agent's view shows.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from datetime import timedelta
+
+import pytest
+
+from elastic.etcd import EtcdClient, EtcdConfig
+from elastic.rdzv.generation import end_run, open_run
+from elastic.rdzv.job import RunMembership, new_node_id
+from elastic.rdzv.keys import JobKeys
+from elastic.rdzv.leader import RunLimits
+from elastic.rdzv.records import EndRecord, NodeRecord, WorkerSlot, WorldRecord
+
+pytestmark = pytest.mark.etcd
+
+TTL = 2
+
+
+def client_for(server: object) -> EtcdClient:
+    return EtcdClient(EtcdConfig(endpoints=(server.endpoint,),  # type: ignore[attr-defined]
+                                 request_timeout=timedelta(seconds=2),
+                                 deadline=timedelta(seconds=10)))
+
+
+class Sim:
+    """A simulated agent: a node record with ready workers and the protocol machinery."""
+
+    def __init__(self, server: object, keys: JobKeys, limits: RunLimits, slots: int = 1,
+                 port: int = 4000) -> None:
+        self.client = client_for(server)
+        self.run = RunMembership(self.client, keys, limits=limits, ttl=TTL, linger=2)
+        self.record = NodeRecord(
+            node=new_node_id("sim"), host="sim", addr="127.0.0.1", agent_pid=0,
+            store_port=port,
+            workers=tuple(WorkerSlot(i, 1, True, True, 0) for i in range(slots)))
+
+    def join(self) -> Sim:
+        self.run.join(self.record)
+        return self
+
+    @property
+    def me(self) -> str:
+        return self.record.node
+
+
+@pytest.fixture
+def keys(etcd_server: object, etcd_prefix: str) -> JobKeys:
+    return open_run(client_for(etcd_server), JobKeys(etcd_prefix, "job")).keys
+
+
+@pytest.fixture
+def sims() -> Iterator[list[Sim]]:
+    made: list[Sim] = []
+    yield made
+    for sim in made:
+        sim.run.leave()
+
+
+def wait_world(sim: Sim, pred: object, timeout: float = 15.0) -> WorldRecord:
+    assert sim.run.wait(lambda v: (w := v.world()) is not None and pred(w),  # type: ignore[operator]
+                        timeout), f"no such world; last: {sim.run.world()}"
+    world = sim.run.world()
+    assert world is not None
+    return world
+
+
+def test_nodes_form_one_world_and_a_lost_node_is_dropped_at_once(
+    etcd_server: object, keys: JobKeys, sims: list[Sim]
+) -> None:
+    limits = RunLimits(min_nodes=2, max_nodes=4, last_call=0.5)
+    sims += [Sim(etcd_server, keys, limits, port=4000 + i).join() for i in range(3)]
+    world = wait_world(sims[0], lambda w: len(w.members) == 3)
+    assert world.epoch == 1  # one settled round, not one per join
+    assert set(world.nodes()) == {s.me for s in sims}
+    for sim in sims:  # every agent sees the same world
+        assert wait_world(sim, lambda w: w.epoch == 1) == world
+    leaders = [s for s in sims if s.run.leader.leading]
+    assert len(leaders) == 1
+    leader = leaders[0]
+    assert leader.run.leader.stats.cas_attempts == 1
+
+    victim = next(s for s in sims if s is not leader)
+    started = time.monotonic()
+    victim.run.leave()
+    sims.remove(victim)
+    after = wait_world(leader, lambda w: victim.me not in w.nodes())
+    assert after.epoch == 2
+    assert time.monotonic() - started < 2.0  # a revoked lease: no settle, no TTL wait
+    # Survivors keep their ranks.
+    assert after.nodes() == tuple(n for n in world.nodes() if n != victim.me)
+
+
+def test_the_leader_is_replaced_and_a_silent_node_goes_at_its_ttl(
+    etcd_server: object, keys: JobKeys, sims: list[Sim]
+) -> None:
+    limits = RunLimits(min_nodes=1, max_nodes=4, last_call=0.3)
+    sims += [Sim(etcd_server, keys, limits, port=4000 + i).join() for i in range(3)]
+    first = wait_world(sims[0], lambda w: len(w.members) == 3)
+    leader = next(s for s in sims if s.run.leader.leading)
+    # The leader goes silent: its lease is no longer refreshed, nothing is revoked.
+    leader.run.leader.stop()
+    leader.run.node.stop_refreshing()
+    leader.run.view.close()
+    sims.remove(leader)
+    started = time.monotonic()
+    after = wait_world(sims[0], lambda w: leader.me not in w.nodes(), timeout=TTL + 6)
+    took = time.monotonic() - started
+    assert took >= TTL - 1.0  # etcd, not anyone's guess, decided it was gone
+    assert after.epoch == first.epoch + 1
+    assert sum(s.run.leader.leading for s in sims) == 1
+
+
+def test_etcd_writes_per_join_heartbeat_and_round(
+    etcd_server: object, keys: JobKeys, sims: list[Sim]
+) -> None:
+    limits = RunLimits(min_nodes=3, max_nodes=3, last_call=5.0)
+    sims += [Sim(etcd_server, keys, limits, port=4000 + i).join() for i in range(3)]
+    # max_nodes reached with every slot ready: no need to settle for 5 s.
+    world = wait_world(sims[0], lambda w: len(w.members) == 3, timeout=4.0)
+    assert world.epoch == 1
+    assert [s.run.node.writes for s in sims] == [1, 1, 1]  # a join is one put
+    leader = next(s for s in sims if s.run.leader.leading)
+    assert leader.run.leader.stats.cas_attempts == 1  # a round close is one CAS
+    assert sum(s.run.leader.stats.election_attempts for s in sims) <= len(sims)
+    revision = sims[0].client.snapshot(keys.root)[1]
+    time.sleep(TTL * 1.5)  # heartbeats: lease keep-alives only
+    assert sims[0].client.snapshot(keys.root)[1] == revision
+    assert [s.run.node.writes for s in sims] == [1, 1, 1]
+
+
+def test_a_finished_job_id_is_reused_after_its_end_lingered(
+    etcd_server: object, etcd_prefix: str
+) -> None:
+    client = client_for(etcd_server)
+    base = JobKeys(etcd_prefix, "reuse")
+    first = open_run(client, base)
+    assert first.keys.generation == 1 and first.ended is None
+    assert end_run(client, first.keys, EndRecord("finished", "done", 30), linger=2)
+    assert not end_run(client, first.keys, EndRecord("failed", "late", 1), linger=2)
+    late = open_run(client, base)  # a replacement started as the job ended
+    assert late.ended == EndRecord("finished", "done", 30)
+    assert client.get(first.keys.world) is None  # the run's state is gone
+    time.sleep(4)  # the end record's lease expires (etcd checks leases every 0.5 s)
+    fresh = open_run(client, base)
+    assert fresh.ended is None and fresh.keys.generation == 2
