@@ -207,6 +207,10 @@ class CheckpointManager:
             target=self._run_jobs, name="checkpoint-io", daemon=True
         )
         self._thread.start()
+        #: Asked right before a commit record is written (rank 0): ``False`` refuses the
+        #: commit. The in-place loop sets it so that a worker cut off from its job (its
+        #: node's lease not fresh, its world aborted) never commits a checkpoint.
+        self.commit_fence: Callable[[], bool] | None = None
         #: Seconds the last save waited for the previous one (admission).
         self.last_blocked_s = 0.0
         #: Seconds the last save spent staging on the calling thread.
@@ -340,6 +344,13 @@ class CheckpointManager:
                 for part in gathered:
                     files.update(part or {})
                 self._check_listing(dir_name, files)
+                fence = self.commit_fence
+                if fence is not None and not fence():
+                    raise CheckpointCommitError(
+                        f"this worker's world is no longer the job's (cut off from it, or "
+                        f"aborted), so step ({step}) was not committed; the job's own "
+                        "checkpoints go on without it."
+                    )
                 rec = CommitRecord(
                     step=step, round=self.round, world_size=self._world, run_id=self.run_id,
                     created_at=time.time(), files=files, metadata=user_meta,

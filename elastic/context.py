@@ -238,11 +238,10 @@ def init(
             peer surfaces as an error within this time rather than a hang (gloo notices a
             closed connection at once; NCCL relies on this timeout). ``None`` keeps
             ``init_timeout``.
-        inplace: The script supports in-place reconfiguration (each step inside
-            ``loop.step_guard()``, DDP from ``loop.data_parallel``, the loader built with
-            ``loop.micro_batch_size``; see :mod:`elastic.inplace`). Under elastic-run's default
-            mode (``auto``) only such scripts run in place, the others restart; ``--elastic-mode
-            inplace`` runs every script in place, ``restart`` none.
+        inplace: Declare in-place capability at once. Not needed with ``ElasticLoop``, which
+            declares it when it is built: under elastic-run's default mode (``auto``) every
+            ``ElasticLoop`` script runs in place and other scripts restart;
+            ``--elastic-mode inplace`` declares every script at ``init``, ``restart`` none.
 
     Returns:
         The context; its groups are destroyed at interpreter exit (or by ``close()``).
@@ -263,12 +262,17 @@ def init(
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-    mode = os.environ.get(env.MODE)
-    if mode == "inplace" or (mode == "auto" and inplace):
+    from elastic.agent_link import link_from_env
+
+    link = link_from_env()
+    if link is not None:
+        # Under elastic-run: the world comes from the node agent, never from etcd.
         from elastic.inplace.controller import init_inplace
 
-        ctx = init_inplace(chosen, device, init_timeout=init_timeout,
-                           train_timeout=train_timeout)
+        mode = os.environ.get(env.MODE, "auto")
+        ctx = init_inplace(link, chosen, device, init_timeout=init_timeout,
+                           train_timeout=train_timeout,
+                           declare=mode == "inplace" or (mode == "auto" and inplace))
         atexit.register(ctx.close)
         return ctx
     groups = build_process_groups(

@@ -68,3 +68,26 @@ INPLACE_BUILD_TIMEOUT: Final = "ELASTIC_INPLACE_BUILD_TIMEOUT"
 INPLACE_MARKER: Final = "ELASTIC_INPLACE_MARKER"
 """A file an in-place worker creates once it joined a world: tells its agent, without a network
 call, that the job's script runs in place (``--elastic-mode auto``)."""
+
+AGENT_SOCKET: Final = "ELASTIC_AGENT_SOCKET"
+"""The node agent's channel socket (a Unix socket in a directory only the agent's user can
+enter); workers learn the world there and never talk to etcd themselves."""
+
+INCARNATION: Final = "ELASTIC_INCARNATION"
+"""Which start of its slot (local rank) a worker process is; with the node id it makes the
+worker's id unique per incarnation."""
+
+WORKER_ID: Final = "ELASTIC_WORKER_ID"
+"""The worker's job-wide id, ``{node}/{local_rank}.{incarnation}``."""
+
+START: Final = "ELASTIC_START"
+"""How the agent started a worker: ``member`` (its world is known: RANK and WORLD_SIZE are
+final) or ``joiner`` (it joins a running world in place and is admitted when its training
+loop starts)."""
+
+HANG_TIMEOUT: Final = "ELASTIC_HANG_TIMEOUT"
+"""In place: the least time (seconds) a worker waits in a step's collective before it reports
+that it waits for a peer (the progress rule; ``--hang-timeout``)."""
+
+HANG_FACTOR: Final = "ELASTIC_HANG_FACTOR"
+"""In place: the hang threshold is at least this many median step times (``--hang-factor``)."""

@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import random
 import signal
 import threading
@@ -66,6 +67,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.utils.data import DataLoader
 
+from elastic import env
 from elastic.batching import BatchPlan, plan_batches
 from elastic.errors import ConfigError
 from elastic.eventlog import EventLog
@@ -215,8 +217,16 @@ class ElasticLoop:
         self._batches: Iterator[Any] | None = None
         self._loader: Iterable[Any] | None = None
         self._restored = False
-        # In-place reconfiguration (elastic.inplace): the controller, when the job runs so.
-        self._inplace: Any = getattr(ctx, "inplace", None)
+        # In-place reconfiguration (elastic.inplace): the controller, unless elastic-run runs
+        # the job in restart mode. Building the loop declares the script in-place capable.
+        controller = getattr(ctx, "inplace", None)
+        if controller is not None and os.environ.get(env.MODE, "auto") == "restart":
+            controller = None
+        self._inplace: Any = controller
+        if controller is not None:
+            controller.declare(global_batch_size)
+            if checkpoint is not None:
+                checkpoint.commit_fence = controller.may_commit
         #: Whether this process holds the job's state (restored, healed or trained a step).
         self.has_state = False
         #: Times this process read a checkpoint from storage (in place: only with no survivor).
@@ -282,12 +292,17 @@ class ElasticLoop:
             _shield_workers_from_sigterm(loader)
             self._batches = iter(loader)
         no_sync = getattr(model, "no_sync", None)
+        last = self.plan.grad_accum_steps - 1
         for index in range(self.plan.grad_accum_steps):
             batch = next(self._batches)
-            if no_sync is not None and index < self.plan.grad_accum_steps - 1:
+            if no_sync is not None and index < last:
                 with no_sync():
                     yield batch
             else:
+                if self._inplace is not None:
+                    # The step's gradient collective comes with this micro-batch's backward:
+                    # from here on this rank waits for its peers (the progress rule).
+                    self._inplace.reached_collective()
                 yield batch
 
     # -- lifecycle --------------------------------------------------------------------------
@@ -397,9 +412,7 @@ class ElasticLoop:
         try:
             yield
         except Exception as exc:
-            from elastic.inplace.controller import is_peer_failure
-
-            if not is_peer_failure(exc):
+            if not self._inplace.confirm_peer_failure(exc):
                 raise
             self._abandoned = True
             self._batches = None
@@ -413,7 +426,7 @@ class ElasticLoop:
             # the first, as the moment the failure was noticed.
             self._events.record("peer_failed", step=self.step,
                                 error=str(exc).splitlines()[0][:200])
-            self._inplace.abandon(exc)
+            self._inplace.abandon(exc, self.step)
 
     def data_parallel(self, model: torch.nn.Module, **kwargs: Any) -> torch.nn.Module:
         """``DistributedDataParallel(model)`` on the current world, rebuilt when it changes.
@@ -490,10 +503,15 @@ class ElasticLoop:
         while True:
             if self._inplace is not None:
                 self._inplace.before_step(self)  # a pending reconfiguration and heal
+                if self._inplace.left:
+                    logger.info("left the job at step %d (this node departs)", self.step)
+                    return
             if self.step >= self.max_steps or self._drained:
                 return
             started = self.step
             self._step_started = time.monotonic()
+            if self._inplace is not None:
+                self._inplace.step_started(started)
             self._abandoned = False
             yield started
             if self.step == started and not self._abandoned:
@@ -524,6 +542,9 @@ class ElasticLoop:
         elif self.step % self.checkpoint_interval == 0:
             self._save(final=False)
         self._await_overdue_commit()  # this step's save, when max_commit_lag is 0
+        if self._inplace is not None and started is not None:
+            self._inplace.step_completed(self.step - 1, time.monotonic() - started
+                                         - self._blocked_s)
         if started is not None:
             # The step's compute and its per-step agreement; checkpoint stalls are their own
             # events, so that the goodput report can tell them apart.
@@ -539,17 +560,18 @@ class ElasticLoop:
             self._events.record(event, **fields)
 
     def _agree_on_drain(self) -> bool:
-        # One all-reduce agrees on a drain and, in place, on a membership change, so that
-        # every rank acts at the same step boundary; one .tolist() is one device sync.
-        flags = [self._drain.is_set(),
-                 self._inplace is not None and self._inplace.boundary_flag()]
+        # One all-reduce agrees on a drain and, in place, on the newest world any rank knows,
+        # so that every rank switches at the same step boundary.
+        newest = self._inplace.boundary_epoch() if self._inplace is not None else 0
+        values = [float(self._drain.is_set()), float(newest)]
         if self.ctx is not None and self.ctx.world_size > 1:
-            tensor = torch.tensor([float(f) for f in flags], device=self.ctx.device)
+            tensor = torch.tensor(values, device=self.ctx.device)
             dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.ctx.process_group)
-            flags = [value > 0 for value in tensor.tolist()]
-        if flags[1] and self._inplace is not None:
+            values = tensor.tolist()
+        if (self._inplace is not None and self.ctx is not None
+                and int(values[1]) > self.ctx.round):
             self._inplace.request("membership")
-        return bool(flags[0])
+        return values[0] > 0
 
     def settle_save(self) -> None:
         """Waits for the save in flight to commit (or fail), whatever its age.

@@ -9,17 +9,18 @@ torch's own ``get_args_parser()``, extended), plus:
 * ``--job-id ID`` (or ``ELASTIC_RUN_ID``): an alias of ``--rdzv-id``;
 * ``--standalone``: start an embedded etcd on free loopback ports (killed with the launcher)
   instead of torch's single-node c10d store;
-* ``--exit-barrier-timeout``, ``--failure-settle-timeout``, ``--etcd-connect-timeout``: see
-  ``--help``;
+* ``--max-restarts N`` (default 3) and ``--restart-window S`` (default 3600): each node's
+  crash budget (:mod:`launch.budget`); ``--etcd-connect-timeout``: see ``--help``;
 * ``--preemption-watch`` (and the metadata URL and drain flags): leave the job on a spot
   preemption notice (see :mod:`launch.departure`);
 * ``--events-dir DIR`` (or ``ELASTIC_EVENTS_DIR``): the job event log (:mod:`elastic.eventlog`);
 * ``--elastic-mode auto|inplace|restart`` (or ``ELASTIC_MODE``), ``--inplace-ttl``,
-  ``--inplace-build-timeout``: survivors reconfigure in place (:mod:`elastic.inplace`) or every
-  worker restarts on a membership change; ``auto`` (the default) runs in place the scripts
-  that declare it (``elastic.init(inplace=True)``) and restarts the others.
+  ``--inplace-build-timeout``, ``--hang-timeout``, ``--hang-factor``: survivors reconfigure in
+  place (:mod:`elastic.inplace`) or every worker restarts on a membership change; ``auto``
+  (the default) runs every ``ElasticLoop`` script in place and restarts the others.
 
-The rendezvous backend defaults to ``elastic-etcd-v3``. Two more forms:
+The rendezvous is elastic-run's own protocol on etcd (:mod:`elastic.rdzv`); torchrun users get
+the same protocol with ``--rdzv-backend etcd-v3``. Three more forms:
 
 * ``elastic-run status --job-id ID [--etcd ENDPOINTS]`` prints the job's current round and members;
 * ``elastic-run goodput EVENTS_DIR`` prints the goodput report of an event log;
@@ -43,6 +44,7 @@ from typing import Final
 
 from elastic import env
 from elastic.errors import ConfigError, ElasticError
+from launch.budget import DEFAULT_MAX_RESTARTS, DEFAULT_WINDOW_S
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +85,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     monitor = _find_action(parser, "monitor_interval")
     monitor.default = float(os.environ.get("PET_MONITOR_INTERVAL", "0.1"))
+    restarts = _find_action(parser, "max_restarts")
+    restarts.default = int(os.environ.get("PET_MAX_RESTARTS", DEFAULT_MAX_RESTARTS))
+    restarts.help = (f"Worker crashes each node absorbs within --restart-window (default "
+                     f"{DEFAULT_MAX_RESTARTS}); a node past it leaves the job, which goes on "
+                     "with the other nodes. Membership changes are never counted.")
 
     group = parser.add_argument_group("elastic-run")
     group.add_argument(
@@ -113,29 +120,41 @@ def build_parser() -> argparse.ArgumentParser:
         help="Seconds to wait for etcd to answer at start before giving up (default 10).",
     )
     group.add_argument(
-        "--exit-barrier-timeout", dest="exit_barrier_timeout", type=float, default=120.0,
-        help="Seconds a finished node waits for live peers to finish; dead peers are not "
-        "waited for (default 120).",
+        "--restart-window", dest="restart_window", type=float,
+        default=float(os.environ.get("ELASTIC_RESTART_WINDOW", DEFAULT_WINDOW_S)),
+        help="Seconds a worker crash counts against its node's --max-restarts budget "
+        f"(default {DEFAULT_WINDOW_S:g}).",
     )
-    group.add_argument(
-        "--failure-settle-timeout", dest="failure_settle_timeout", type=float, default=10.0,
-        help="With no restarts left, seconds to wait after a worker failure for evidence of a "
-        "lost node (which makes it a membership change, not a failure) (default 10).",
-    )
+    for obsolete in ("--exit-barrier-timeout", "--failure-settle-timeout"):
+        group.add_argument(obsolete, dest=obsolete.strip("-").replace("-", "_"), type=float,
+                           default=None, help=argparse.SUPPRESS)
     _add_preemption_flags(group)
     group.add_argument(
         "--elastic-mode", dest="elastic_mode", type=str,
         default=os.environ.get(env.MODE) or "auto",
         help=f"How membership changes are handled (env {env.MODE}): 'auto' (default: in place "
-        "for scripts that call elastic.init(inplace=True), restart for the others), 'inplace' "
-        "(surviving workers keep running, rebuild their process groups and heal newcomers from "
-        "memory; data-parallel scripts using ElasticLoop.step_guard and loop.data_parallel) or "
-        "'restart' (every worker restarts from the last checkpoint).",
+        "for every script that uses ElasticLoop, restart for the others), 'inplace' (every "
+        "script is treated as in-place capable) or 'restart' (every worker restarts from the "
+        "last checkpoint).",
     )
     group.add_argument(
-        "--inplace-ttl", dest="inplace_ttl", type=int, default=3,
-        help="In-place mode: lease TTL in seconds of each worker's member key, i.e. how long "
-        "a lost node goes unnoticed (default 3; a crashed worker is noticed at once).",
+        "--inplace-ttl", dest="inplace_ttl", type=int,
+        default=int(os.environ.get("ELASTIC_INPLACE_TTL", "3")),
+        help="TTL in seconds of each node's etcd lease, i.e. how long a silent host goes "
+        "unnoticed, and how long a silent worker may stay quiet (default 3; a crashed worker "
+        "or a node whose processes died is noticed at once).",
+    )
+    group.add_argument(
+        "--hang-timeout", dest="hang_timeout", type=float,
+        default=float(os.environ.get(env.HANG_TIMEOUT) or 10.0),
+        help="In place: a worker that every other worker has waited for in a step's "
+        "collective for this long (or --hang-factor median step times, if longer) is evicted "
+        "and replaced (default 10).",
+    )
+    group.add_argument(
+        "--hang-factor", dest="hang_factor", type=float,
+        default=float(os.environ.get(env.HANG_FACTOR) or 10.0),
+        help="In place: the hang threshold in median step times (default 10).",
     )
     group.add_argument(
         "--inplace-build-timeout", dest="inplace_build_timeout", type=float, default=10.0,
@@ -233,6 +252,11 @@ def _resolve_rendezvous(args: argparse.Namespace) -> None:
         if args.rdzv_id in ("none", ""):
             args.rdzv_id = f"standalone-{uuid.uuid4().hex[:12]}"
         return
+    if args.rdzv_backend not in ETCD_BACKENDS:
+        raise ConfigError(
+            f"--rdzv-backend ({args.rdzv_backend}) is not elastic-run's; its agent speaks its "
+            "own etcd protocol, so drop the flag (torch's backends work with torchrun)."
+        )
     if args.rdzv_backend in ETCD_BACKENDS:
         if not args.rdzv_endpoint:
             raise ConfigError(
@@ -246,6 +270,17 @@ def _resolve_rendezvous(args: argparse.Namespace) -> None:
                 "--job-id to keep concurrent jobs apart.", "none",
             )
             args.rdzv_id = "none"
+
+
+def _check_nproc(args: argparse.Namespace) -> None:
+    value = str(args.nproc_per_node)
+    if value in ("auto", "cpu", "gpu", "xpu"):
+        return
+    if not value.isdigit() or int(value) < 1:
+        raise ConfigError(
+            f"--nproc-per-node ({value}) must be a positive number of workers per node (or "
+            "auto, cpu, gpu); pass for example --nproc-per-node 1."
+        )
 
 
 def _check_script(args: argparse.Namespace) -> None:
@@ -280,8 +315,13 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         )
     if args.inplace_ttl < 1:
         raise ConfigError(f"--inplace-ttl ({args.inplace_ttl}) must be at least 1 second.")
-    for name in ("inplace_build_timeout", "etcd_connect_timeout", "exit_barrier_timeout",
-                 "failure_settle_timeout",
+    for name in ("exit_barrier_timeout", "failure_settle_timeout"):
+        if getattr(args, name) is not None:
+            logger.warning("--%s is no longer used (elastic-run's agent does not need it); "
+                           "ignoring it.", name.replace("_", "-"))
+    _check_nproc(args)
+    for name in ("inplace_build_timeout", "etcd_connect_timeout", "restart_window",
+                 "hang_timeout", "hang_factor",
                  "preemption_drain_timeout", "sigterm_grace_period"):
         if getattr(args, name) is not None and getattr(args, name) <= 0:
             flag = "--" + name.replace("_", "-")

@@ -100,13 +100,28 @@ def main(argv: list[str] | None = None) -> int:
     if mode == "exec":
         os.execvp(target, [target, *rest])
     sys.argv = [target, *rest]
-    if mode == "module":
-        runpy.run_module(target, run_name="__main__", alter_sys=True)
-    else:
-        # ``python script.py`` puts the script's directory, not the cwd, first on sys.path.
-        sys.path[0] = os.path.dirname(os.path.abspath(target))
-        runpy.run_path(target, run_name="__main__")
+    try:
+        if mode == "module":
+            runpy.run_module(target, run_name="__main__", alter_sys=True)
+        else:
+            # ``python script.py`` puts the script's directory, not the cwd, first on sys.path.
+            sys.path[0] = os.path.dirname(os.path.abspath(target))
+            runpy.run_path(target, run_name="__main__")
+    except (SystemExit, KeyboardInterrupt):
+        raise
+    except BaseException as exc:
+        _report(exc)
+        raise
     return 0
+
+
+def _report(exc: BaseException) -> None:
+    """Tells the node agent why the script failed (its error ends the job's output)."""
+    if not os.environ.get(env.AGENT_SOCKET):
+        return
+    from elastic.agent_link import report_failure
+
+    report_failure(exc)
 
 
 if __name__ == "__main__":

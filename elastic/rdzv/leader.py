@@ -101,6 +101,7 @@ class LeaderLoop:
         #: The world this leader wrote last: newer than the view until the watch delivers it,
         #: and deciding from the older one would write a duplicate that can only fail.
         self._written: WorldRecord | None = None
+        self._evicting: tuple[str, ...] = ()
         self.stats = LeaderStats()
         self.leading = False
         view.add_listener(self._wake.set)
@@ -193,17 +194,15 @@ class LeaderLoop:
         if current is None and self._view.world_error() is not None:
             self._replace_invalid_world(nodes)
             return 0.0
+        if not self._ended and (ended := self._run_over(current, nodes)) is not None:
+            self._ended = True
+            self._end_run(ended)
+            return _IDLE_WAKE_S
         if current is not None and current.members and not self._ended:
-            failure = common_failure(current, nodes)
-            if failure is not None:
-                self._ended = True
-                self._end_run(EndRecord(
-                    "failed", f"every worker failed at step {failure.step} with the same "
-                    f"error: {failure.error}", failure.step))
-                return _IDLE_WAKE_S
             slow = laggards(current, nodes)
             if slow:
                 nodes = _without_workers(nodes, slow)
+                self._evicting = slow
                 logger.warning("evicting worker(s) %s: every other worker has waited for "
                                "them in the step's collective past the hang threshold",
                                ", ".join(slow))
@@ -215,13 +214,14 @@ class LeaderLoop:
             if (proposal is not None and current is not None and current.mode == "restart"
                     and proposal.mode == "inplace"):
                 # Same ranks, every worker now in-place capable: upgrade this epoch.
-                upgraded = WorldRecord(current.epoch, current.members, current.store,
-                                       "inplace")
-                self._write(upgraded, current)
+                self._write(current.with_changes(mode="inplace", departed=(), evicted=()),
+                            current)
             return _IDLE_WAKE_S
         assert proposal is not None
         if change is Change.LOSS:
-            self._write(proposal, current)
+            evicted = tuple(w for w in self._evicting if w not in proposal.ranks())
+            self._evicting = ()
+            self._write(proposal.with_changes(evicted=evicted), current)
             return 0.0
         signature = (proposal.ranks(), proposal.mode)
         now = time.monotonic()
@@ -232,6 +232,23 @@ class LeaderLoop:
             self._write(proposal, current)
             return 0.0
         return remaining
+
+    @staticmethod
+    def _run_over(current: WorldRecord | None,
+                  nodes: Sequence[NodeRecord]) -> EndRecord | None:
+        """The run's end, when the node records show it: the script's own bug, or every
+        member of the world done training (scripts that cannot tell their agent they
+        finished: plain torch scripts)."""
+        failure = common_failure(nodes)
+        if failure is not None:
+            return EndRecord("failed", f"the training script failed on every worker at step "
+                             f"{failure.step}: {failure.error}", failure.step)
+        if current is None or not current.members:
+            return None
+        by_node = {n.node: n for n in nodes}
+        if all((n := by_node.get(m.node)) is not None and n.done for m in current.members):
+            return EndRecord("finished", "every worker finished training")
+        return None
 
     def _complete(self, nodes: Sequence[NodeRecord], proposal: WorldRecord) -> bool:
         """Nobody else can come: max nodes, each with every slot ready (no need to settle)."""
@@ -250,8 +267,7 @@ class LeaderLoop:
             self._keys.world, proposal.dumps(), current.revision if current else None)
         self._pending = None
         if written and after is not None:
-            self._written = WorldRecord(proposal.epoch, proposal.members, proposal.store,
-                                        proposal.mode, revision=after.mod_revision)
+            self._written = proposal.with_changes(revision=after.mod_revision)
             self.stats.cas_won += 1
             self.stats.worlds_written.append(proposal.epoch)
             self._used_stores.add(proposal.store)

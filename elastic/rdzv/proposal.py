@@ -80,13 +80,19 @@ def next_world(
     if len(chosen) < min_nodes or not chosen:
         return None
     used = set(used_stores)
+    departed: tuple[str, ...] = ()
     if current is not None:
         used.add(current.store)
+        leaving = {n.node for n in nodes if n.departing is not None}
+        departed = tuple(w for m in current.members if m.node in leaving
+                         for w in (worker_id(m.node, x) for x in m.workers))
     return WorldRecord(
         epoch=(current.epoch if current else 0) + 1,
-        members=tuple(WorldMember(n.node, n.addr, workers) for n, workers in chosen),
+        members=tuple(WorldMember(n.node, n.addr, workers, n.probe_port)
+                      for n, workers in chosen),
         store=_store_host([n for n, _ in chosen], used),
         mode="inplace" if inplace else "restart",
+        departed=departed,
     )
 
 
@@ -123,28 +129,31 @@ def classify(current: WorldRecord | None, proposal: WorldRecord | None) -> Chang
 
 @dataclass(frozen=True, slots=True)
 class CommonFailure:
-    """Every worker of a world died of the same error at the same step: the script's bug."""
+    """Every active node's workers died of the same error at the same step: the script's bug."""
 
     step: int
     error: str
 
 
-def common_failure(world: WorldRecord, nodes: Sequence[NodeRecord]) -> CommonFailure | None:
-    """The script's own bug, if every member node reports the same failure of this world.
+def common_failure(nodes: Sequence[NodeRecord]) -> CommonFailure | None:
+    """The script's own bug, if every active node reports the same failure.
 
-    A failure counts when a node reports it for this world's epoch; every member node must
-    report the same error at the same step. One node's crash (a rank-specific fault, a
-    killed process) is not a common failure: it costs that node's crash budget instead.
+    A node's ``failure`` note is ``{"step", "error", "count"}``: the last exception its
+    workers died of, and how many times it recurred (its agent clears the note once a worker
+    trains past that step). It is the script's bug when every node that is not departing
+    reports the same error at the same step, seen at least twice in all (two workers, or one
+    worker twice): one crash of one worker is not evidence, it costs that node's crash
+    budget instead.
     """
-    by_node = {n.node: n for n in nodes}
-    seen: set[tuple[int, str]] = set()
-    for node in world.nodes():
-        record = by_node.get(node)
-        failure = record.failure if record is not None else None
-        if not failure or failure.get("epoch") != world.epoch:
-            return None
-        seen.add((int(failure.get("step", -1)), str(failure.get("error", ""))))
+    active = [n for n in nodes if n.departing is None and n.workers]
+    if not active or any(n.failure is None for n in active):
+        return None
+    seen = {(int(n.failure.get("step", -1)), str(n.failure.get("error", "")))
+            for n in active if n.failure is not None}
     if len(seen) != 1:
+        return None
+    count = sum(int(n.failure.get("count", 1)) for n in active if n.failure is not None)
+    if count < 2:
         return None
     step, error = seen.pop()
     return CommonFailure(step, error)

@@ -148,6 +148,8 @@ class NodeRecord:
         agent_pid: The agent's process id.
         store_port: Port of the agent's spare TCPStore server (a world may name it as the
             store its process groups rendezvous on).
+        probe_port: The agent's liveness port: it accepts while the agent lives and refuses
+            once it is gone, so peers tell a dead node from a silent one at once.
         workers: The node's worker slots.
         max_world: The most workers one world may have (the global batch: a larger world
             would leave ranks without samples), or ``None``.
@@ -156,6 +158,7 @@ class NodeRecord:
             the step's collective for longer than the hang threshold (progress rule).
         failure: ``{"epoch", "step", "error"}``: the last exception a local worker died with.
         restarts: Worker crashes of this node so far.
+        done: Every worker of the node finished training (its part of the run is over).
         metrics_port: Port of the agent's Prometheus endpoint, or ``None``.
         create_revision: etcd revision that created the key (join order; not serialized).
     """
@@ -165,12 +168,14 @@ class NodeRecord:
     addr: str
     agent_pid: int
     store_port: int
+    probe_port: int = 0
     workers: tuple[WorkerSlot, ...] = ()
     max_world: int | None = None
     departing: dict[str, Any] | None = None
     waiting: dict[str, Any] | None = None
     failure: dict[str, Any] | None = None
     restarts: int = 0
+    done: bool = False
     metrics_port: int | None = None
     create_revision: int = field(default=0, compare=False)
 
@@ -187,9 +192,10 @@ class NodeRecord:
         return _dumps({
             "format": NODE_FORMAT, "node": self.node, "host": self.host, "addr": self.addr,
             "agent_pid": self.agent_pid, "store_port": self.store_port,
-            "workers": [w.to_json() for w in self.workers], "max_world": self.max_world,
-            "departing": self.departing, "waiting": self.waiting, "failure": self.failure,
-            "restarts": self.restarts, "metrics_port": self.metrics_port,
+            "probe_port": self.probe_port, "workers": [w.to_json() for w in self.workers],
+            "max_world": self.max_world, "departing": self.departing, "waiting": self.waiting,
+            "failure": self.failure, "restarts": self.restarts, "done": self.done,
+            "metrics_port": self.metrics_port,
         })
 
     @classmethod
@@ -205,12 +211,14 @@ class NodeRecord:
             node=_field(data, "node", str, key), host=_field(data, "host", str, key),
             addr=_field(data, "addr", str, key), agent_pid=_field(data, "agent_pid", int, key),
             store_port=_field(data, "store_port", int, key),
+            probe_port=_field(data, "probe_port", int, key),
             workers=tuple(WorkerSlot.from_json(w, key) for w in workers),
             max_world=_optional(data, "max_world", int, key),
             departing=_optional(data, "departing", dict, key),
             waiting=_optional(data, "waiting", dict, key),
             failure=_optional(data, "failure", dict, key),
             restarts=_field(data, "restarts", int, key),
+            done=_field(data, "done", bool, key),
             metrics_port=_optional(data, "metrics_port", int, key),
             create_revision=create_revision,
         )
@@ -226,6 +234,7 @@ class WorldMember:
     Attributes:
         node: The node id.
         addr: The node's address.
+        probe_port: The node agent's liveness port.
         workers: Local ids (``{local_rank}.{incarnation}``) of the node's workers in this
             world, in local-rank order.
     """
@@ -233,6 +242,7 @@ class WorldMember:
     node: str
     addr: str
     workers: tuple[str, ...]
+    probe_port: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -251,6 +261,10 @@ class WorldRecord:
             on, hosted by a member's agent (keys under ``e{epoch}/``).
         mode: ``"inplace"`` when every worker survives membership changes in place (the
             world then reconfigures without restarts), else ``"restart"``.
+        departed: Workers of the previous world left out because their node departs on a
+            notice: a planned change (survivors switch at a step boundary, nobody aborts).
+        evicted: Workers of the previous world left out because every other worker waited
+            for them (the progress rule): their agents stop them.
         revision: The key's mod revision (the CAS token; not serialized).
     """
 
@@ -258,6 +272,8 @@ class WorldRecord:
     members: tuple[WorldMember, ...]
     store: tuple[str, int]
     mode: Mode = "restart"
+    departed: tuple[str, ...] = ()
+    evicted: tuple[str, ...] = ()
     revision: int = field(default=0, compare=False)
 
     def ranks(self) -> tuple[str, ...]:
@@ -296,6 +312,10 @@ class WorldRecord:
             offset += len(member.workers)
         return -1
 
+    def with_changes(self, **changes: Any) -> WorldRecord:
+        """A copy with ``changes`` applied (records are immutable)."""
+        return replace(self, **changes)
+
     def same_composition(self, other: WorldRecord | None) -> bool:
         """Whether ``other`` has exactly these workers in this order (epochs aside)."""
         return other is not None and self.ranks() == other.ranks()
@@ -305,8 +325,9 @@ class WorldRecord:
         return _dumps({
             "format": WORLD_FORMAT, "epoch": self.epoch, "mode": self.mode,
             "store": {"addr": self.store[0], "port": self.store[1]},
-            "members": [{"node": m.node, "addr": m.addr, "workers": list(m.workers)}
-                        for m in self.members],
+            "departed": list(self.departed), "evicted": list(self.evicted),
+            "members": [{"node": m.node, "addr": m.addr, "probe_port": m.probe_port,
+                         "workers": list(m.workers)} for m in self.members],
         })
 
     def to_json(self) -> dict[str, Any]:
@@ -344,14 +365,23 @@ class WorldRecord:
                 raise RecordError(f"etcd key {key} has invalid worker ids ({workers!r}); "
                                   "only elastic-run may write the job's keys.")
             members.append(WorldMember(_field(entry, "node", str, key),
-                                       _field(entry, "addr", str, key), tuple(workers)))
+                                       _field(entry, "addr", str, key), tuple(workers),
+                                       _field(entry, "probe_port", int, key)))
         mode = data.get("mode")
         if mode not in ("inplace", "restart"):
             raise RecordError(f"etcd key {key} has an invalid 'mode' ({mode!r}); only "
                               "elastic-run may write the job's keys.")
+        lists = {}
+        for name in ("departed", "evicted"):
+            ids = _field(data, name, list, key)
+            if not all(isinstance(i, str) for i in ids):
+                raise RecordError(f"etcd key {key} has an invalid {name!r} ({ids!r}); only "
+                                  "elastic-run may write the job's keys.")
+            lists[name] = tuple(ids)
         return cls(epoch=_field(data, "epoch", int, key), members=tuple(members),
                    store=(_field(store, "addr", str, key), _field(store, "port", int, key)),
-                   mode=mode, revision=revision)
+                   mode=mode, departed=lists["departed"], evicted=lists["evicted"],
+                   revision=revision)
 
 
 # -- job lifetime ----------------------------------------------------------------------------

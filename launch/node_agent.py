@@ -1,0 +1,863 @@
+"""elastic-run's node agent: one per node, owner of the node's membership and of its workers.
+
+It replaces torch's ``LocalElasticAgent`` (whose private hooks the previous design leaned
+on): the agent speaks the membership protocol of :mod:`elastic.rdzv` itself, starts and
+watches each worker slot on its own (:mod:`launch.slots`) and is the only process of the
+node that talks to etcd; workers learn their world over the local channel
+(:mod:`launch.channel`).
+
+What happens when:
+
+* **A world changes.** In place (every worker of the world uses ``ElasticLoop``), the
+  agent only passes the new world to its workers, which reconfigure themselves at a step
+  boundary, or at once if a member of their world is gone. In restart mode, the agent stops
+  its workers and starts new ones for the next world that includes them.
+* **A worker crashes.** The crash is charged to the node's budget (:mod:`launch.budget`),
+  unless the worker reported that it died of a peer's failure. In place only that worker is
+  restarted (a new incarnation joins the running world and is healed by a survivor); its
+  node's other workers keep their processes. In restart mode the node's workers restart.
+  A node whose crashes exceed the budget leaves the job like a departing node; the others go
+  on. When every active node reports the same error at the same step, the run ends at once
+  with that error (the script's own bug: restarting would only repeat it).
+* **A worker falls silent.** A worker that sent no heartbeat for the lease TTL (SIGSTOPped,
+  a frozen host thread) is killed and replaced, like a crash but not charged.
+* **A worker holds the step back.** The leader evicts workers every other worker waits for
+  (the progress rule, :func:`elastic.rdzv.proposal.laggards`); their agent kills them and
+  starts new incarnations.
+* **The node's lease is lost** (a partition from etcd longer than the TTL). The others have
+  dropped the node; its workers are stopped (they must not train in a stale world or commit
+  a checkpoint) and the node joins again under a new id once etcd answers.
+* **A preemption notice.** In place, the node announces it is departing; the leader writes
+  a world without it (marked *departed*, a planned change), the node's workers leave at the
+  next step boundary, and the survivors go on without restarting or reading storage. In
+  restart mode the workers drain (final checkpoint) first.
+* **The run ends.** The first agent that knows writes the run's end record: the rank-0
+  worker finished, every member is done, or the script failed everywhere; every agent then
+  exits with the run's outcome, naming its reason.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Final
+
+from elastic import env
+from elastic.errors import EtcdUnavailableError
+from elastic.etcd import EtcdClient
+from elastic.eventlog import EventLog
+from elastic.inplace.liveness import LivenessSocket, ProbeBook
+from elastic.rdzv.generation import open_run
+from elastic.rdzv.job import RunMembership, new_node_id
+from elastic.rdzv.keys import JobKeys
+from elastic.rdzv.leader import RunLimits
+from elastic.rdzv.records import EndRecord, NodeRecord, WorkerSlot, WorldRecord, worker_id
+from launch.budget import CrashBudget
+from launch.channel import ChannelServer, WorkerConnection
+from launch.slots import SlotProcess, WorkerCommand, stop_all
+from launch.stores import StorePool
+
+__all__ = ["AgentConfig", "AgentOutcome", "NodeAgent"]
+
+logger = logging.getLogger(__name__)
+
+_FINISH_GRACE_S: Final = 30.0
+_RETRY_REJOIN_S: Final = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class AgentConfig:
+    """Everything the agent needs from the command line.
+
+    Attributes:
+        job_id: The job id.
+        key_prefix: elastic-run's etcd key prefix.
+        min_nodes: Fewest nodes a world trains with.
+        max_nodes: Most nodes a world takes.
+        nproc_per_node: Worker slots on this node.
+        addr: The address peers dial to reach this node.
+        ttl: Node lease TTL, and a worker's heartbeat timeout, in seconds.
+        last_call: Seconds joins settle before a world grows.
+        join_timeout: Seconds this node may wait without a world before it gives up.
+        monitor_interval: Seconds between two looks at the workers.
+        budget: The node's crash budget.
+        mode: ``auto``, ``inplace`` or ``restart`` (``--elastic-mode``).
+        shutdown_grace: Seconds between SIGTERM and SIGKILL when stopping workers.
+        drain_timeout: On a preemption notice, the longest the workers get to leave.
+        linger: Seconds the run's end record stays for nodes that come late.
+        worker_env: Extra environment for every worker (in-place tuning, events, ...).
+    """
+
+    job_id: str
+    key_prefix: str
+    min_nodes: int
+    max_nodes: int
+    nproc_per_node: int
+    addr: str
+    ttl: int = 3
+    last_call: float = 1.0
+    join_timeout: float = 600.0
+    monitor_interval: float = 0.1
+    budget: CrashBudget = field(default_factory=CrashBudget)
+    mode: str = "auto"
+    shutdown_grace: float = 30.0
+    drain_timeout: float = 60.0
+    linger: int = 60
+    worker_env: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class AgentOutcome:
+    """How this node's part of the job ended.
+
+    Attributes:
+        code: The process exit code.
+        outcome: ``succeeded``, ``failed``, ``departed``, ``already_finished``, ...
+        message: One sentence for the user (the last line of the output when it failed).
+    """
+
+    code: int
+    outcome: str
+    message: str
+
+
+@dataclass
+class _Slot:
+    """The agent's view of one worker slot."""
+
+    local_rank: int
+    incarnation: int = 0
+    process: SlotProcess | None = None
+    ready: bool = False
+    inplace: bool = False
+    restart_at: float | None = None
+    started_for: WorldRecord | None = None
+    report: dict[str, Any] | None = None
+    step: int = -1
+    waiting: dict[str, Any] | None = None
+    finished: bool = False
+
+    def published(self) -> WorkerSlot:
+        pid = self.process.pid if self.process is not None else 0
+        return WorkerSlot(self.local_rank, self.incarnation, self.ready, self.inplace, pid)
+
+    @property
+    def local_id(self) -> str:
+        return f"{self.local_rank}.{self.incarnation}"
+
+
+class NodeAgent:
+    """Runs this node's part of a job (see the module docstring).
+
+    Args:
+        config: The agent's settings.
+        client: The etcd client (the only one on the node).
+        command: What every worker runs.
+        events: The job event log.
+    """
+
+    def __init__(self, config: AgentConfig, client: EtcdClient, command: WorkerCommand,
+                 events: EventLog) -> None:
+        self.config = config
+        self.client = client
+        self.command = command
+        self.events = events
+        self._lock = threading.RLock()
+        self._wake = threading.Event()
+        self._slots = [_Slot(i) for i in range(config.nproc_per_node)]
+        self._budget = config.budget
+        self._stores = StorePool(config.addr)
+        self._liveness = LivenessSocket(config.addr if config.addr != "127.0.0.1" else "")
+        self._probes = ProbeBook()
+        self._channel = ChannelServer(self._on_message, self._on_disconnect,
+                                      accept=self._is_worker)
+        self._run: RunMembership | None = None
+        self._node = new_node_id()
+        self._lease_lost = threading.Event()
+        self._departure: Any = None
+        self._departing_since: float | None = None
+        self._last_world: WorldRecord | None = None
+        self._failure_note: dict[str, Any] | None = None
+        self._max_world: int | None = None
+        self._restarts = 0
+        self._no_world_since = time.monotonic()
+        self._pushed_lease_ok = True
+        self._exhausted = False
+        #: Worlds this node took part in (epochs), for tests and the report.
+        self.epochs: list[int] = []
+
+    # -- identity ---------------------------------------------------------------------------
+
+    @property
+    def node(self) -> str:
+        """This node's id (changes when the node joins again after losing its lease)."""
+        return self._node
+
+    @property
+    def channel_path(self) -> str:
+        """The workers' channel socket."""
+        return self._channel.path
+
+    def _is_worker(self, pid: int) -> bool:
+        """Whether ``pid`` is one of this agent's workers (or a descendant of one)."""
+        with self._lock:
+            roots = {s.process.pid for s in self._slots if s.process is not None}
+        for _ in range(8):  # worker_guard runs the script in the worker process itself
+            if pid in roots:
+                return True
+            try:
+                with open(f"/proc/{pid}/stat") as stat:
+                    pid = int(stat.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                return False
+            if pid <= 1:
+                return False
+        return False
+
+    def _record(self) -> NodeRecord:
+        with self._lock:
+            return NodeRecord(
+                node=self._node, host=socket.gethostname(), addr=self.config.addr,
+                agent_pid=os.getpid(), store_port=self._stores.spare_port,
+                probe_port=self._liveness.port,
+                workers=tuple(s.published() for s in self._slots),
+                max_world=self._max_world,
+                departing=self._departure_note(),
+                waiting=self._waiting_note(), failure=self._failure_note,
+                restarts=self._restarts,
+                done=all(s.finished for s in self._slots),
+            )
+
+    def _publish(self) -> None:
+        """Writes this node's record if anything changed (one put)."""
+        run = self._run
+        if run is None or self._lease_lost.is_set():
+            return
+        record = self._record()
+        try:
+            run.update(**{f: getattr(record, f) for f in (
+                "store_port", "workers", "max_world", "departing", "waiting", "failure",
+                "restarts", "done")})
+        except EtcdUnavailableError as exc:
+            logger.warning("could not publish this node's record (%s)", exc)
+
+    def _departure_note(self) -> dict[str, Any] | None:
+        notice = self._departure
+        if notice is None:
+            return None
+        deadline = getattr(notice, "deadline", None)
+        return {"source": getattr(notice, "source", "notice"),
+                "deadline": deadline.isoformat() if deadline is not None else None}
+
+    def _waiting_note(self) -> dict[str, Any] | None:
+        notes = [(s.waiting, s.local_id) for s in self._slots if s.waiting is not None]
+        if not notes:
+            return None
+        epoch = max(int(n["epoch"]) for n, _ in notes)
+        step = max(int(n["step"]) for n, _ in notes if int(n["epoch"]) == epoch)
+        workers = [lid for n, lid in notes
+                   if int(n["epoch"]) == epoch and int(n["step"]) == step]
+        return {"epoch": epoch, "step": step, "workers": sorted(workers)}
+
+    # -- the channel ------------------------------------------------------------------------
+
+    def _slot_of(self, connection: WorkerConnection) -> _Slot | None:
+        if not 0 <= connection.local_rank < len(self._slots):
+            return None
+        slot = self._slots[connection.local_rank]
+        return slot if slot.incarnation == connection.incarnation else None
+
+    def _welcome(self, connection: WorkerConnection) -> None:
+        run = self._run
+        world = run.world() if run is not None else None
+        end = run.view.end() if run is not None else None
+        connection.send({
+            "type": "welcome", "node": self._node,
+            "worker": worker_id(self._node, f"{connection.local_rank}.{connection.incarnation}"),
+            "world": world.to_json() if world is not None else None,
+            "lease_ok": run.node.fresh() if run is not None else True,
+            "end": ({"outcome": end.outcome, "reason": end.reason, "step": end.step}
+                    if end is not None else None),
+        })
+
+    def _on_message(self, connection: WorkerConnection, message: dict[str, Any]) -> None:
+        kind = message.get("type")
+        publish = False
+        with self._lock:
+            slot = self._slot_of(connection)
+            if slot is None:
+                return
+            if kind == "hello":
+                self._welcome(connection)
+                return
+            if kind == "ready":
+                slot.ready = True
+                slot.inplace = bool(message.get("inplace", False))
+                publish = True
+            elif kind == "declare":
+                slot.inplace = bool(message.get("inplace", True))
+                publish = True
+            if kind in ("ready", "declare") and isinstance(message.get("max_world"), int):
+                self._max_world = int(message["max_world"])
+            if kind == "progress":
+                slot.step = int(message.get("step", slot.step))
+                publish = self._clear_failure_past(slot.step)
+            elif kind == "waiting":
+                slot.waiting = {"epoch": int(message["epoch"]), "step": int(message["step"])}
+                publish = True
+            elif kind == "resumed":
+                publish = slot.waiting is not None
+                slot.waiting = None
+            elif kind == "failure":
+                slot.report = dict(message)
+            elif kind == "finished":
+                self._end(EndRecord("finished", "training finished",
+                                    int(message.get("step", -1))))
+            elif kind == "suspect":
+                threading.Thread(target=self._check_suspects,
+                                 args=(list(message.get("nodes", ())),), daemon=True,
+                                 name="elastic-suspects").start()
+        if publish:
+            self._publish()
+
+    def _on_disconnect(self, connection: WorkerConnection) -> None:
+        self._wake.set()
+
+    def _clear_failure_past(self, step: int) -> bool:
+        note = self._failure_note
+        if note is not None and step > int(note.get("step", -1)):
+            self._failure_note = None
+            return True
+        return False
+
+    def _check_suspects(self, nodes: list[str]) -> None:
+        """Removes the records of suspected nodes whose agent is certainly gone.
+
+        A worker whose collective failed names its world's other nodes. A node whose whole
+        process tree died (an OOM kill, a crashed container) has nobody left to revoke its
+        lease: its agent's liveness port now refuses, which is certain, so its record is
+        deleted at once instead of after the TTL. A silent host answers nothing (unknown)
+        and its lease decides.
+        """
+        run = self._run
+        world = run.world() if run is not None else None
+        if run is None or world is None:
+            return
+        addresses = {m.node: (m.addr, m.probe_port) for m in world.members
+                     if m.node in nodes and m.node != self._node and m.probe_port}
+        dead = self._probes.dead(addresses.values())
+        for node, address in addresses.items():
+            if address not in dead:
+                continue
+            with contextlib.suppress(EtcdUnavailableError):
+                run.client.delete(run.keys.node(node))
+                logger.warning("node %s is gone (its agent's liveness port refuses); "
+                               "removed its record", node)
+
+    def _push_world(self) -> None:
+        """Passes the newest world to the workers (called on every control-key change)."""
+        run = self._run
+        if run is None:
+            return
+        world = run.world()
+        end = run.view.end()
+        if end is not None:
+            self._channel.broadcast({"type": "end", "outcome": end.outcome,
+                                     "reason": end.reason, "step": end.step})
+        elif world is not None:
+            self._channel.broadcast({"type": "world", "world": world.to_json()})
+        self._wake.set()
+
+    # -- the main loop ----------------------------------------------------------------------
+
+    def request_departure(self, notice: Any) -> None:
+        """Leave the job on ``notice`` (any thread; the main loop does the work, once)."""
+        if self._departure is None:
+            self._departure = notice
+            self._wake.set()
+
+    def run(self) -> AgentOutcome:
+        """Runs this node's part of the job; returns how it ended."""
+        keys = JobKeys(self.config.key_prefix, self.config.job_id)
+        opened = open_run(self.client, keys)
+        if opened.ended is not None:
+            return self._late(opened.ended)
+        self._run = RunMembership(
+            self.client, opened.keys,
+            limits=RunLimits(self.config.min_nodes, self.config.max_nodes,
+                             self.config.last_call),
+            ttl=self.config.ttl, linger=self.config.linger, on_change=self._push_world,
+            on_lease_lost=self._lease_lost.set)
+        self._start_slots_for_join()
+        self._run.join(self._record())
+        self.events.record("agent_started", node=self._node, generation=opened.keys.generation,
+                           min_nodes=self.config.min_nodes, max_nodes=self.config.max_nodes,
+                           nproc_per_node=self.config.nproc_per_node)
+        try:
+            while True:
+                outcome = self._tick()
+                if outcome is not None:
+                    return outcome
+                self._wake.wait(self.config.monitor_interval)
+                self._wake.clear()
+        finally:
+            self._shutdown()
+
+    def _late(self, end: EndRecord) -> AgentOutcome:
+        if end.outcome == "finished":
+            return AgentOutcome(0, "already_finished",
+                                f"job {self.config.job_id} already finished ({end.reason}); "
+                                "this node has nothing to do.")
+        return AgentOutcome(1, "failed", f"job {self.config.job_id} failed: {end.reason}")
+
+    def _tick(self) -> AgentOutcome | None:
+        run = self._run
+        assert run is not None
+        if run.view.watch.failed.is_set():
+            error = run.view.watch.error
+            raise error if error is not None else EtcdUnavailableError("etcd watch failed")
+        end = run.view.end()
+        if end is not None:
+            return self._finish(end)
+        self._check_lease(run)
+        if self._lease_lost.is_set():
+            return None
+        self._reap()
+        if self._exhausted:
+            return AgentOutcome(
+                1, "budget_exhausted",
+                f"this node's workers crashed {self._budget.recent()} times within "
+                f"{self._budget.window:g} s (--max-restarts {self._budget.max_restarts}); it "
+                "left the job, which goes on with the other nodes.")
+        self._check_heartbeats()
+        self._follow_world(run)
+        outcome = self._depart_if_done()
+        if outcome is not None:
+            return outcome
+        self._start_due()
+        return self._check_join_timeout(run)
+
+    # -- membership -------------------------------------------------------------------------
+
+    def _check_lease(self, run: RunMembership) -> None:
+        """Tells the workers whether they may commit, and rejoins after a confirmed loss.
+
+        A lease not refreshed for a while (etcd unreachable) only stops checkpoint commits: it
+        is not lost yet (etcd renews every lease when it comes back from an outage), and if
+        the others did drop this node, their new world severed its connections, so its
+        workers cannot train on in the old one. Only when etcd confirms the lease is gone are
+        the workers stopped and the node joins again under a new id.
+        """
+        fresh = run.node.fresh()
+        if fresh != self._pushed_lease_ok:
+            self._pushed_lease_ok = fresh
+            self._channel.broadcast({"type": "lease", "lease_ok": fresh})
+        if not self._lease_lost.is_set():
+            return
+        if any(s.process is not None and s.process.exit_code() is None for s in self._slots):
+            logger.warning("etcd dropped this node from the run: stopping its workers; it "
+                           "joins again as a new node")
+            self.events.record("lease_lost", node=self._node)
+            self._kill_all()
+        with contextlib.suppress(Exception):  # the lease is gone anyway
+            run.node.leave()
+        self._node = new_node_id()
+        with self._lock:
+            for slot in self._slots:
+                self._next_incarnation(slot)
+        self._start_slots_for_join()
+        try:
+            run.rejoin(self._record())
+        except EtcdUnavailableError:
+            time.sleep(_RETRY_REJOIN_S)
+            return
+        self._lease_lost.clear()
+        logger.info("joined again as node %s", self._node)
+
+    def _follow_world(self, run: RunMembership) -> None:
+        world = run.world()
+        if world is None or (self._last_world is not None
+                             and world.revision == self._last_world.revision):
+            return
+        previous, self._last_world = self._last_world, world
+        if world.store[0] == self.config.addr and self._stores.claim(world.store[1],
+                                                                     world.epoch):
+            self._publish()
+        mine = world.member(self._node)
+        if mine is not None:
+            self._no_world_since = time.monotonic()
+            if previous is None or previous.epoch != world.epoch:
+                self.epochs.append(world.epoch)
+                self.events.record("round_started", round=world.epoch,
+                                   group_rank=world.node_rank(self._node),
+                                   world=len(world.members), workers=world.world_size,
+                                   mode=world.mode)
+        if self._clear_stale_waiting(world):
+            self._publish()
+        with self._lock:
+            for slot in self._slots:
+                wid = worker_id(self._node, slot.local_id)
+                if wid in world.evicted and slot.process is not None:
+                    logger.warning("worker %s was evicted (every other worker waited for "
+                                   "it): replacing it", slot.local_id)
+                    self.events.record("worker_evicted", round=world.epoch,
+                                       local_rank=slot.local_rank)
+                    slot.process.kill()
+            if world.mode == "inplace":
+                return
+            self._restart_mode_follow(world)
+
+    def _clear_stale_waiting(self, world: WorldRecord) -> bool:
+        changed = False
+        with self._lock:
+            for slot in self._slots:
+                if slot.waiting is not None and slot.waiting["epoch"] != world.epoch:
+                    slot.waiting = None
+                    changed = True
+        return changed
+
+    def _restart_mode_follow(self, world: WorldRecord) -> None:
+        """Restart mode: start workers for a world that includes them, restart on change."""
+        mine = world.member(self._node)
+        ids = set(mine.workers) if mine is not None else set()
+        running = [s for s in self._slots if s.process is not None
+                   and s.process.exit_code() is None]
+        stale = [s for s in running if s.started_for is not None
+                 and not s.started_for.same_composition(world)]
+        if stale and not self._departure:
+            logger.info("world epoch %d differs from the one this node's workers run in "
+                        "(epoch %d): restarting them", world.epoch,
+                        stale[0].started_for.epoch if stale[0].started_for else -1)
+            self.events.record("workers_restarted", round=world.epoch, reason="world_changed")
+            stop_all([s.process for s in stale if s.process is not None],
+                     self.config.shutdown_grace)
+            for slot in stale:
+                slot.process = None
+                self._next_incarnation(slot)
+                slot.ready = True  # agent-ready: started when a world includes it
+            self._publish()
+            return
+        for slot in self._slots:
+            if (slot.process is None and slot.ready and slot.restart_at is None
+                    and slot.local_id in ids and not slot.finished):
+                self._start(slot, world)
+
+    def _check_join_timeout(self, run: RunMembership) -> AgentOutcome | None:
+        world = run.world()
+        if world is not None and world.member(self._node) is not None:
+            return None
+        waited = time.monotonic() - self._no_world_since
+        if waited < self.config.join_timeout:
+            return None
+        return AgentOutcome(
+            3, "rendezvous_error",
+            f"this node found no world to train in for {waited:.0f} s (fewer than "
+            f"--min-nodes ({self.config.min_nodes}) nodes could train); check that the other "
+            "nodes are running, or lower --min-nodes.")
+
+    # -- workers ----------------------------------------------------------------------------
+
+    def _next_incarnation(self, slot: _Slot) -> None:
+        slot.incarnation += 1
+        slot.ready = False
+        slot.inplace = False
+        slot.report = None
+        slot.waiting = None
+        slot.started_for = None
+
+    def _start_slots_for_join(self) -> None:
+        """Sets the slots up for joining the run (at start, or again after a lost lease).
+
+        Joining a world that reconfigures in place, the workers start at once as joiners:
+        they turn ready when their training loop starts, so the survivors keep training while
+        they build their models. Otherwise the slots are published ready and the workers
+        start once a world includes them (their ranks must be known at start).
+        """
+        run = self._run
+        world = run.world() if run is not None else None
+        with self._lock:
+            for slot in self._slots:
+                if slot.process is not None or slot.finished:
+                    continue
+                if slot.incarnation == 0:
+                    slot.incarnation = 1
+                if world is not None and world.mode == "inplace" and world.members:
+                    self._start(slot, None)
+                else:
+                    slot.ready = True
+
+    def _env_for(self, slot: _Slot, world: WorldRecord | None) -> dict[str, str]:
+        config = self.config
+        local_id = slot.local_id
+        values = {
+            "LOCAL_RANK": str(slot.local_rank),
+            "TORCHELASTIC_RUN_ID": config.job_id,
+            "TORCHELASTIC_MAX_RESTARTS": str(self._budget.max_restarts),
+            "TORCHELASTIC_RESTART_COUNT": str(self._budget.total),
+            env.RUN_ID: config.job_id,
+            env.AGENT_PID: str(os.getpid()),
+            env.AGENT_SOCKET: self._channel.path,
+            env.INCARNATION: str(slot.incarnation),
+            env.WORKER_ID: worker_id(self._node, local_id),
+            env.MODE: config.mode,
+            **config.worker_env,
+        }
+        if config.nproc_per_node > 1:
+            values.setdefault("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", "1"))
+        if world is not None and (mine := world.member(self._node)) is not None:
+            offset = world.rank_offset(self._node)
+            position = mine.workers.index(local_id)
+            values.update({
+                "RANK": str(offset + position), "WORLD_SIZE": str(world.world_size),
+                "LOCAL_WORLD_SIZE": str(len(mine.workers)),
+                "GROUP_RANK": str(world.node_rank(self._node)),
+                "GROUP_WORLD_SIZE": str(len(world.members)),
+                "ROLE_RANK": str(offset + position), "ROLE_WORLD_SIZE": str(world.world_size),
+                "ROLE_NAME": "default",
+                "MASTER_ADDR": world.store[0], "MASTER_PORT": str(world.store[1]),
+                # The world's store is a fresh server hosted by an agent: every rank is a
+                # client (torch's env:// rendezvous then adds no prefix, and none is needed).
+                "TORCHELASTIC_USE_AGENT_STORE": "True",
+                env.ROUND: str(world.epoch), env.START: "member",
+            })
+        else:
+            # A joiner of a running world: provisional values until it is admitted.
+            running = self._run.world() if self._run is not None else None
+            size = running.world_size if running is not None else 1
+            values.update({
+                "RANK": str(max(0, size - 1)), "WORLD_SIZE": str(max(1, size)),
+                "LOCAL_WORLD_SIZE": str(config.nproc_per_node),
+                "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "1",
+                env.ROUND: str(running.epoch if running is not None else 0),
+                env.START: "joiner",
+            })
+        return values
+
+    def _start(self, slot: _Slot, world: WorldRecord | None) -> None:
+        env_vars = self._env_for(slot, world)
+        slot.process = SlotProcess.start(self.command, slot.local_rank, slot.incarnation,
+                                         env_vars)
+        slot.started_for = world
+        slot.restart_at = None
+        slot.finished = False
+
+    def _reap(self) -> None:
+        changed = False
+        exhausted = False
+        with self._lock:
+            for slot in self._slots:
+                process = slot.process
+                code = process.exit_code() if process is not None else None
+                if process is None or code is None:
+                    continue
+                slot.process = None
+                changed = True
+                if code == 0:
+                    slot.finished = True
+                    logger.info("worker %s exited 0", slot.local_id)
+                    continue
+                if not self._handle_failure(slot, process, code):
+                    exhausted = True
+        if exhausted:
+            self._leave_exhausted()
+        elif changed:
+            self._publish()
+
+    def _handle_failure(self, slot: _Slot, process: SlotProcess, code: int) -> bool:
+        """Decides what a failed worker costs; returns False if the budget is exhausted."""
+        report = slot.report or {}
+        world = self._last_world
+        in_place = world is not None and world.mode == "inplace" and slot.inplace
+        if process.stopping:
+            cause, delay = "stopped", 0.0
+        elif report.get("peer"):
+            cause, delay = "peer_failure", self._budget.backoff_base
+        else:
+            cause = "crash"
+            charged = self._budget.charge()
+            if charged is None:
+                self._note_failure(report)
+                self.events.record("worker_failed", round=world.epoch if world else -1,
+                                   exit_codes={slot.local_rank: code}, cause="crash",
+                                   budget_exhausted=True)
+                return False
+            delay = charged
+            self._restarts += 1
+        if cause != "stopped":
+            self._note_failure(report)
+            logger.warning("worker %s failed (exit code %s, %s: %s); restarting %s in %.1f s",
+                           slot.local_id, code, cause, report.get("error", "no report"),
+                           "it in place" if in_place else "this node's workers", delay)
+            self.events.record("worker_failed", round=world.epoch if world else -1,
+                               exit_codes={slot.local_rank: code}, cause=cause,
+                               error=report.get("error"))
+            self._channel.broadcast({"type": "gone",
+                                     "workers": [worker_id(self._node, slot.local_id)]})
+        now = time.monotonic()
+        if in_place:
+            self._next_incarnation(slot)
+            slot.restart_at = now + delay
+            return True
+        # Restart mode: the node's other workers are in a broken world too.
+        others = [s for s in self._slots if s is not slot and s.process is not None]
+        stop_all([s.process for s in others if s.process is not None],
+                 self.config.shutdown_grace)
+        for each in self._slots:
+            each.process = None
+            self._next_incarnation(each)
+            each.restart_at = now + delay
+        return True
+
+    def _note_failure(self, report: Mapping[str, Any]) -> None:
+        error = report.get("error")
+        if not error:
+            return
+        step = int(report.get("step", -1))
+        note = self._failure_note
+        if note is not None and note.get("error") == error and note.get("step") == step:
+            self._failure_note = {**note, "count": int(note.get("count", 1)) + 1}
+        else:
+            self._failure_note = {"step": step, "error": str(error), "count": 1}
+
+    def _start_due(self) -> None:
+        """Starts (in place) or re-publishes (restart mode) slots whose backoff is over."""
+        now = time.monotonic()
+        changed = False
+        world = self._last_world
+        with self._lock:
+            if self._departure is not None:
+                return
+            for slot in self._slots:
+                if slot.restart_at is None or slot.restart_at > now or slot.process is not None:
+                    continue
+                slot.restart_at = None
+                changed = True
+                if world is not None and world.mode == "inplace" and world.members:
+                    self._start(slot, None)
+                    self.events.record("workers_restarted_in_place", round=world.epoch,
+                                       local_rank=slot.local_rank)
+                else:
+                    slot.ready = True
+        if changed:
+            self._publish()
+
+    def _check_heartbeats(self) -> None:
+        """Replaces workers that fell silent (stopped, frozen) for longer than the TTL."""
+        now = time.monotonic()
+        for connection in self._channel.connections():
+            if now - connection.last_heard <= self.config.ttl:
+                continue
+            with self._lock:
+                slot = self._slot_of(connection)
+                if slot is None or slot.process is None or slot.process.stopping:
+                    continue
+                logger.warning("worker %s sent no heartbeat for %.1f s: replacing it",
+                               slot.local_id, now - connection.last_heard)
+                self.events.record("worker_silent", local_rank=slot.local_rank,
+                                   silent_s=round(now - connection.last_heard, 2))
+                slot.process.kill()
+            connection.close()
+
+    def _kill_all(self) -> None:
+        with self._lock:
+            processes = [s.process for s in self._slots if s.process is not None]
+        for process in processes:
+            process.kill()
+        stop_all(processes, 0.0)
+        with self._lock:
+            for slot in self._slots:
+                slot.process = None
+
+    # -- leaving ----------------------------------------------------------------------------
+
+    def _depart_if_done(self) -> AgentOutcome | None:
+        """Runs a planned departure: announce, let the workers leave, then go."""
+        notice = self._departure
+        if notice is None:
+            return None
+        run = self._run
+        assert run is not None
+        now = time.monotonic()
+        if self._departing_since is None:
+            self._departing_since = now
+            logger.warning("preemption notice from %s: leaving the job",
+                           getattr(notice, "source", "?"))
+            self.events.record("planned_departure", round=self._epoch(),
+                               notice=getattr(notice, "source", "?"))
+            self._publish()  # the departing note: the leader writes a world without us
+            world = self._last_world
+            if world is None or world.mode != "inplace":
+                # Restart mode: the workers drain (final checkpoint) on SIGTERM.
+                with self._lock:
+                    for slot in self._slots:
+                        if slot.process is not None:
+                            slot.process.terminate()
+        budget = min(self.config.drain_timeout, _notice_budget(notice))
+        running = [s for s in self._slots if s.process is not None
+                   and s.process.exit_code() is None]
+        if running and now - self._departing_since < budget:
+            return None
+        if running:
+            stop_all([s.process for s in running if s.process is not None], 0.0)
+        self.events.record("left_rendezvous", round=self._epoch(), drained=not running,
+                           drain_s=round(now - self._departing_since, 3))
+        return AgentOutcome(0, "departed", f"left the job on a "
+                            f"{getattr(notice, 'source', 'preemption')} notice.")
+
+    def _leave_exhausted(self) -> None:
+        self._kill_all()
+        self._exhausted = True
+        self._wake.set()
+
+    def _epoch(self) -> int:
+        return self._last_world.epoch if self._last_world is not None else -1
+
+    def _end(self, end: EndRecord) -> None:
+        run = self._run
+        if run is None:
+            return
+        try:
+            run.end(end)
+        except EtcdUnavailableError as exc:
+            logger.warning("could not record the end of the run (%s)", exc)
+
+    def _finish(self, end: EndRecord) -> AgentOutcome:
+        """The run ended: let finishing workers exit, stop the rest, report the outcome."""
+        deadline = time.monotonic() + (_FINISH_GRACE_S if end.outcome == "finished" else 0.0)
+        while time.monotonic() < deadline and any(
+                s.process is not None and s.process.exit_code() is None for s in self._slots):
+            time.sleep(0.05)
+        with self._lock:
+            processes = [s.process for s in self._slots if s.process is not None]
+        stop_all(processes, 0.0 if end.outcome == "failed" else 5.0)
+        if end.outcome == "finished":
+            self.events.record("job_finished", round=self._epoch())
+            return AgentOutcome(0, "succeeded", f"job {self.config.job_id} finished.")
+        return AgentOutcome(1, "failed", f"job {self.config.job_id} failed: {end.reason}")
+
+    def _shutdown(self) -> None:
+        self._kill_all()
+        run = self._run
+        if run is not None:
+            with contextlib.suppress(Exception):
+                run.leave()
+        self._channel.close()
+        self._liveness.close()
+        self._stores.close()
+
+
+def _notice_budget(notice: Any) -> float:
+    """Seconds left before the notice's deadline (a few kept to leave), or no limit."""
+    left = getattr(notice, "time_left", None)
+    remaining = left() if callable(left) else None
+    if isinstance(remaining, timedelta):
+        return max(0.0, remaining.total_seconds() - 5.0)
+    return float("inf")
+
