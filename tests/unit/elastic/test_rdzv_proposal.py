@@ -76,18 +76,19 @@ def test_a_store_is_never_handed_to_two_worlds() -> None:
     assert second is not None and second.store == ("10.0.0.2", 5000)
 
 
-def test_common_failure_needs_every_member_with_the_same_error_and_step() -> None:
-    world = propose(None, [node("a", 1), node("b", 2)])
-    assert world is not None
-    bad = {"epoch": 1, "step": 5, "error": "ValueError: boom"}
-    same = [node("a", 1, failure=bad), node("b", 2, failure=bad)]
-    found = common_failure(world, same)
+def test_common_failure_needs_every_active_node_with_the_same_error_and_step() -> None:
+    bad = {"step": 5, "error": "ValueError: boom", "count": 1}
+    found = common_failure([node("a", 1, failure=bad), node("b", 2, failure=bad)])
     assert found is not None and (found.step, found.error) == (5, "ValueError: boom")
-    other = [node("a", 1, failure=bad), node("b", 2, failure={**bad, "step": 6})]
-    assert common_failure(world, other) is None
-    assert common_failure(world, [node("a", 1, failure=bad), node("b", 2)]) is None
-    stale = [node("a", 1, failure={**bad, "epoch": 0}), node("b", 2, failure=bad)]
-    assert common_failure(world, stale) is None
+    assert common_failure([node("a", 1, failure=bad),
+                           node("b", 2, failure={**bad, "step": 6})]) is None
+    assert common_failure([node("a", 1, failure=bad), node("b", 2)]) is None
+    # A departing node does not have to agree.
+    assert common_failure([node("a", 1, failure=bad), node("b", 2, failure=bad),
+                           node("c", 3, departing={"source": "aws"})]) is not None
+    # One worker's single crash is not evidence; the same crash twice is.
+    assert common_failure([node("a", 1, failure=bad)]) is None
+    assert common_failure([node("a", 1, failure={**bad, "count": 2})]) is not None
 
 
 def test_laggards_are_the_minority_everyone_else_waits_for() -> None:
