@@ -419,10 +419,12 @@ class InPlaceController:
             try:
                 result = agree_and_heal(loop.step if loop.has_state else -1,
                                         loop.heal_state(), self.ctx.checkpoint_group)
+                # Re-plan, re-shard and move the checkpoint manager to this world first: a
+                # restore reads storage with this world's collectives.
+                loop.world_changed()
                 if result.step < 0:
                     loop.restore_from_storage()
                 self.last_heal = result
-                loop.world_changed()
                 if self._failed_at is not None:
                     self.recovery_s.append(time.monotonic() - self._failed_at)
                     self._failed_at = None
@@ -442,6 +444,10 @@ class InPlaceController:
         """The newest world epoch this worker knows (all-reduced at every step boundary)."""
         newest = self.link.world
         return newest.epoch if newest is not None else 0
+
+    def change_pending(self) -> bool:
+        """Whether a newer world than this worker's is known (it switches at a boundary)."""
+        return self.world is not None and self.boundary_epoch() > self.world.epoch
 
     def request(self, reason: str) -> None:
         """Makes the next step boundary reconfigure (every rank agreed on ``reason``)."""

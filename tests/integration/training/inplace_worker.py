@@ -111,7 +111,7 @@ def main() -> int:
                     source=heal.source if heal else -1)
             with loop.step_guard():
                 _hold(args.gate_file, step, lambda: ctx.inplace is not None
-                      and ctx.inplace.boundary_flag())
+                      and ctx.inplace.change_pending())
                 time.sleep(args.step_time)
                 if loader is None or loader.batch_size != loop.micro_batch_size:
                     loader = DataLoader(dataset, batch_size=loop.micro_batch_size,
