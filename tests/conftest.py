@@ -9,6 +9,7 @@ from collections.abc import Iterator
 import pytest
 
 from elastic import env
+from tests.support.netns_pytest import netns_cluster, netns_cluster_factory  # noqa: F401
 
 
 @pytest.fixture(scope="session")
