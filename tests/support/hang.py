@@ -16,7 +16,8 @@ cooperate through a file:
 
 :func:`maybe_hang` costs one dictionary lookup when the variable is unset, and at most one
 ``stat`` per 50 ms when it is set. It needs nothing but the standard library, so a worker
-script can import it before torch. Example (worker script)::
+script can import it before torch (with the repository root on ``PYTHONPATH``, as the test
+harnesses set it). Example (worker script)::
 
     from tests.support.hang import maybe_hang
 

@@ -39,10 +39,17 @@ Running code inside a host (``host`` is any of ``cluster.nodes``, ``cluster.etcd
   created by ``fn`` live in the namespace for good and can be used from any thread
   afterwards; threads and processes ``fn`` starts are born inside. A library that opens
   sockets lazily (``requests``, hence ``EtcdClient``) must make *every* call there:
-  ``host.proxy(obj)`` wraps an object so that each method call goes through ``call``.
+  ``host.proxy(obj)`` wraps an object so that each method call goes through ``call``. Only
+  the object's own methods are wrapped: call the methods of what they return (a ``Lease``,
+  a watch) through ``host.call`` as well.
+* Never open a connection to a cluster address from the root namespace (a plain call on the
+  test's own thread): the root namespace has no route of its own to it, so the packets would
+  leave through the machine's default route instead of failing.
 * Processes in a namespace share the machine's hostname, which resolves to an address of
-  the root namespace: tell libraries the address or the interface explicitly (the node's
-  address as the agent's/store's address, ``GLOO_SOCKET_IFNAME=eth0``).
+  the root namespace: tell libraries the address or the interface explicitly. gloo needs
+  ``GLOO_SOCKET_IFNAME=eth0`` (``host.process_env()`` adds it; without it gloo falls back to
+  the namespace's loopback and ranks on different nodes never connect); torch's agent
+  advertises ``socket.getfqdn()`` unless given the node's address.
 
 Faults (rules on the switch, so no host's kernel knows of them; ARP always passes, as in a
 cloud network that answers ARP for instances that are gone, so no peer ever gets "No route
@@ -88,7 +95,8 @@ inside a namespace and never closed keeps that (deleted) namespace's memory unti
 Example::
 
     with NetnsCluster(nodes=2, etcd_members=1) as cluster:
-        agent = cluster.nodes[0].popen([sys.executable, "-m", "launch", ...], env=env)
+        node = cluster.nodes[0]
+        agent = node.popen([sys.executable, "-m", "launch", ...], env=node.process_env())
         etcd = cluster.etcd_client()                  # from the observer
         cluster.cut_link(cluster.nodes[0])            # node 0 goes silent
         ...
@@ -243,9 +251,11 @@ class NetnsCluster:
                           for i in range(self._node_count)]
             initial = ",".join(f"m{i}=http://{self.plan.etcd(i)}:{EtcdMember.PEER_PORT}"
                                for i in range(self._etcd_count))
+            # Data under tmp_dir: a sweep removes it even after a SIGKILLed run.
             self.etcd = [self._add_host(EtcdMember, f"e{i}", self.plan.etcd(i),
                                         binary=self._etcd_binary, member_name=f"m{i}",
-                                        cluster=initial)
+                                        cluster=initial,
+                                        data_dir=str(self._tmp_dir / f"etcd-m{i}"))
                          for i in range(self._etcd_count)]
             self._observer = self._add_host(Host, "obs", self.plan.observer())
             for member in self.etcd:
@@ -297,7 +307,7 @@ class NetnsCluster:
         for member in self.etcd:
             # SIGKILL first: a member cut off from its peers can take 10 s to honour SIGTERM.
             attempt(f"killing etcd {member.role}", member.kill)
-            attempt(f"removing etcd {member.role}'s data", member.stop)
+            attempt(f"stopping etcd {member.role}", member.stop)
         for proc in self._processes:
             proctree.kill_tree(proc.pid)
         # Not only the trees: a process whose parent died has left its tree.

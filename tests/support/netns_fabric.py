@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import threading
 from typing import Final
 
 from tests.support.netns_names import run_ip
@@ -68,6 +69,7 @@ class Fabric:
         self._prefix_len = prefix_len
         self._dark: set[str] = set()
         self._cut: set[tuple[str, str]] = set()
+        self._lock = threading.Lock()  # faults may come from a timer thread as well
 
     def create(self) -> None:
         """Creates the switch namespace, its bridge and the empty fault rules."""
@@ -94,40 +96,45 @@ class Fabric:
 
     def set_dark(self, port: str, dark: bool) -> None:
         """Drops (or stops dropping) every non-ARP frame into and out of ``port``."""
-        if dark == (port in self._dark):
-            return
-        nft(self.netns, "add" if dark else "delete", "element", "bridge", TABLE, "dark",
-            f'{{ "{port}" }}')
-        (self._dark.add if dark else self._dark.discard)(port)
+        with self._lock:
+            if dark == (port in self._dark):
+                return
+            nft(self.netns, "add" if dark else "delete", "element", "bridge", TABLE, "dark",
+                f'{{ "{port}" }}')
+            (self._dark.add if dark else self._dark.discard)(port)
 
     def set_cut(self, port_a: str, port_b: str, cut: bool) -> None:
         """Drops (or stops dropping) every non-ARP frame between ``port_a`` and ``port_b``."""
         pairs = {(port_a, port_b), (port_b, port_a)}
-        change = pairs - self._cut if cut else pairs & self._cut
-        if not change:
-            return
-        elements = ", ".join(f'"{a}" . "{b}"' for a, b in sorted(change))
-        nft(self.netns, "add" if cut else "delete", "element", "bridge", TABLE, "cut",
-            f"{{ {elements} }}")
-        if cut:
-            self._cut |= change
-        else:
-            self._cut -= change
+        with self._lock:
+            change = pairs - self._cut if cut else pairs & self._cut
+            if not change:
+                return
+            elements = ", ".join(f'"{a}" . "{b}"' for a, b in sorted(change))
+            nft(self.netns, "add" if cut else "delete", "element", "bridge", TABLE, "cut",
+                f"{{ {elements} }}")
+            if cut:
+                self._cut |= change
+            else:
+                self._cut -= change
 
     def is_dark(self, port: str) -> bool:
         """True while ``port`` is dark."""
-        return port in self._dark
+        with self._lock:
+            return port in self._dark
 
     def cut_pairs(self) -> frozenset[tuple[str, str]]:
         """The (from, to) port pairs cut now."""
-        return frozenset(self._cut)
+        with self._lock:
+            return frozenset(self._cut)
 
     def clear(self) -> None:
         """Removes every fault."""
-        for set_name in ("dark", "cut"):
-            nft(self.netns, "flush", "set", "bridge", TABLE, set_name)
-        self._dark.clear()
-        self._cut.clear()
+        with self._lock:
+            for set_name in ("dark", "cut"):
+                nft(self.netns, "flush", "set", "bridge", TABLE, set_name)
+            self._dark.clear()
+            self._cut.clear()
 
     def dropped_packets(self) -> int:
         """How many frames the fault rules have dropped since the cluster started."""

@@ -6,6 +6,7 @@ See ``tests/support/netns.py`` for the cluster around it.
 from __future__ import annotations
 
 import ctypes
+import os
 import signal
 import subprocess
 from collections.abc import Callable, Mapping, Sequence
@@ -85,6 +86,14 @@ class Host:
     def exec_prefix(self) -> list[str]:
         """``["ip", "netns", "exec", NAME]``: put it before a command to run it here."""
         return ["ip", "netns", "exec", self.name]
+
+    def process_env(self, extra: Mapping[str, str] | None = None) -> dict[str, str]:
+        """This process's environment plus ``GLOO_SOCKET_IFNAME=eth0`` and ``extra``.
+
+        gloo otherwise binds the address the shared hostname resolves to, which does not
+        exist inside the namespace, and falls back to the namespace's own loopback.
+        """
+        return {**os.environ, "GLOO_SOCKET_IFNAME": self.ifname, **(extra or {})}
 
     def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> Future[T]:
         """Starts ``fn(*args, **kwargs)`` on a thread inside this namespace; see :meth:`call`."""
@@ -196,14 +205,14 @@ class EtcdMember(Host):
     CLIENT_PORT: Final = 2379
     PEER_PORT: Final = 2380
 
-    def __init__(self, *, binary: str, member_name: str, cluster: str,
+    def __init__(self, *, binary: str, member_name: str, cluster: str, data_dir: str,
                  **host_kwargs: Any) -> None:
         super().__init__(**host_kwargs)
         from launch.etcd_server import EmbeddedEtcd
 
         self.server = EmbeddedEtcd(binary=binary, host=self.address, name=member_name,
                                    client_port=self.CLIENT_PORT, peer_port=self.PEER_PORT,
-                                   cluster=cluster)
+                                   cluster=cluster, data_dir=data_dir)
 
     @property
     def endpoint(self) -> str:
@@ -239,7 +248,7 @@ class EtcdMember(Host):
         self.start(timeout)
 
     def kill(self) -> None:
-        """SIGKILLs etcd (its data directory stays)."""
+        """SIGKILLs etcd (its data stays)."""
         self.server.kill()
 
     def pause(self) -> None:
@@ -251,5 +260,5 @@ class EtcdMember(Host):
         self.server.resume()
 
     def stop(self) -> None:
-        """Stops etcd and removes its data directory."""
+        """Stops etcd (SIGTERM, then SIGKILL); its data stays until the cluster closes."""
         self.server.stop()

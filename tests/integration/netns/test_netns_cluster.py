@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -265,17 +264,27 @@ def test_etcd_in_its_own_namespace_serves_nodes_and_the_test_process(
     from_n0.put(f"{etcd_prefix}/k", b"from n0")
     kv = cluster.etcd_client().get(f"{etcd_prefix}/k")  # from the observer
     assert kv is not None and kv.value == b"from n0"
-    # A thread started inside a call is born in the namespace too (watch/lease threads are).
-    result: list[str] = []
+    # A thread started inside a call is born in the namespace too (watch/lease threads are):
+    # this client is only ever used from such a thread.
+    from elastic.etcd import EtcdClient, EtcdConfig
+
+    plain = EtcdClient(EtcdConfig(endpoints=(member.endpoint,)))
+    result: list[bytes] = []
 
     def in_a_new_thread() -> None:
-        thread = threading.Thread(target=lambda: result.append(
-            from_n0.target.get(f"{etcd_prefix}/k").value.decode()))  # type: ignore[union-attr]
+        def get() -> None:
+            kv = plain.get(f"{etcd_prefix}/k")
+            result.append(kv.value if kv else b"")
+
+        thread = threading.Thread(target=get)
         thread.start()
         thread.join(10)
 
-    cluster.nodes[1].call(in_a_new_thread)
-    assert result == ["from n0"]
+    try:
+        cluster.nodes[1].call(in_a_new_thread)
+    finally:
+        plain.close()
+    assert result == [b"from n0"]
 
 
 def test_popen_starts_the_real_program_in_the_namespace_in_a_session_of_its_own(
@@ -353,6 +362,17 @@ def test_close_removes_everything_even_when_the_body_raises() -> None:
     assert not set(names) & set(list_netns())
     assert not [p for p in pids if proctree.alive(p)]
     assert not tmp_dir.exists()
+
+
+def test_a_cluster_that_fails_to_start_removes_what_it_had_created() -> None:
+    require_netns()
+    from launch.etcd_server import EtcdStartError
+
+    cluster = NetnsCluster(nodes=2, etcd_members=1, etcd_binary="false")
+    with pytest.raises(EtcdStartError, match="exited with code 1"):
+        cluster.start()  # the namespaces exist by the time etcd fails
+    cluster.assert_clean()
+    assert not [n for n in list_netns() if n.startswith(cluster.names.prefix)]
 
 
 def test_sweep_removes_a_dead_owners_cluster_and_leaves_the_others() -> None:
