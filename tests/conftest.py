@@ -1,4 +1,6 @@
-"""Fixtures shared by every test: a real etcd server on loopback and per-test key prefixes."""
+"""Fixtures shared by every test: a real etcd server on loopback, per-test key prefixes, and
+clusters of network namespaces (``netns_cluster``, ``netns_cluster_factory``: see
+``tests/support/netns_pytest.py``)."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ from collections.abc import Iterator
 import pytest
 
 from elastic import env
+from tests.support.netns_pytest import netns_cluster, netns_cluster_factory  # noqa: F401
 
 
 @pytest.fixture(scope="session")
