@@ -18,6 +18,7 @@ from typing import Any, Final
 from elastic import env
 from elastic.errors import ConfigError, EtcdUnavailableError
 from elastic.eventlog import EventLog, process_started_at
+from elastic.rdzv.records import RecordError
 from launch.cli import EXIT_RENDEZVOUS, PROG
 
 logger = logging.getLogger(__name__)
@@ -156,7 +157,7 @@ def run(args: argparse.Namespace) -> int:
             return _fail(result.message, result.code)
         logger.info("%s", result.message)
         return 0
-    except (EtcdUnavailableError, ConfigError) as exc:
+    except (EtcdUnavailableError, ConfigError, RecordError) as exc:
         outcome, code = "rendezvous_error", EXIT_RENDEZVOUS
         return _fail(str(exc), EXIT_RENDEZVOUS)
     finally:

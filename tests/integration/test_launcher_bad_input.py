@@ -76,16 +76,17 @@ def test_unreachable_etcd_fails_within_the_deadline_naming_the_endpoints() -> No
 
 @pytest.mark.etcd
 def test_corrupt_rendezvous_state_is_a_one_sentence_error(etcd: Any) -> None:
-    pytest.importorskip("elastic.rendezvous", reason="the etcd v3 backend has not landed")
-    import etcd3gw
+    from elastic.etcd import EtcdClient, EtcdConfig
 
     job = f"corrupt-{uuid.uuid4().hex[:8]}"
-    host, port = etcd.endpoint.rsplit(":", 1)
-    client = etcd3gw.client(host=host, port=int(port), timeout=10)
-    client.put(f"/elastic/{job}/rdzv/state", "\x00garbage, not a rendezvous state")
+    client = EtcdClient(EtcdConfig(endpoints=(etcd.endpoint,)))
+    client.put(f"/elastic/{job}/generation", b"\x80\x04garbage, not a generation record")
     proc = _elastic_run("--etcd", etcd.endpoint, "--job-id", job,
                         "--rdzv-conf", "join_timeout=20", str(WORKER), "--out", "/dev/null",
                         "--ckpt", "/dev/null", timeout=90)
     assert proc.returncode == 3, proc.stderr[-3000:]
-    message = _error_line(proc)
-    assert message.startswith("the rendezvous failed (RendezvousStateError")
+    assert _error_line(proc) == (
+        f"etcd key /elastic/{job}/generation holds a value that is not JSON (it starts with "
+        "b'\\x80\\x04garbage, n'); only elastic-run may write the job's keys: delete it or "
+        "use another --job-id."
+    )
