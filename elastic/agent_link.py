@@ -257,7 +257,10 @@ def report_failure(exc: BaseException) -> None:
                 peer = link.peer_check(exc)
             except Exception:
                 peer = False
-        link.send("failure", error=describe(exc), step=link.step, peer=peer)
+        from elastic.inplace.controller import is_peer_failure_type
+
+        link.send("failure", error=describe(exc), step=link.step, peer=peer,
+                  peer_type=is_peer_failure_type(exc))
     except Exception:  # dying anyway: the exit code still tells the agent it failed
         logger.debug("could not report the failure to the agent", exc_info=True)
 

@@ -218,15 +218,14 @@ class ElasticLoop:
         self._loader: Iterable[Any] | None = None
         self._restored = False
         # In-place reconfiguration (elastic.inplace): the controller, unless elastic-run runs
-        # the job in restart mode. Building the loop declares the script in-place capable.
+        # the job in restart mode. The script is declared in-place capable by its first
+        # guarded step: only a step inside step_guard() can survive a peer's failure.
         controller = getattr(ctx, "inplace", None)
         if controller is not None and os.environ.get(env.MODE, "auto") == "restart":
             controller = None
         self._inplace: Any = controller
-        if controller is not None:
-            controller.declare(global_batch_size)
-            if checkpoint is not None:
-                checkpoint.commit_fence = controller.may_commit
+        if controller is not None and checkpoint is not None:
+            checkpoint.commit_fence = controller.may_commit
         #: Whether this process holds the job's state (restored, healed or trained a step).
         self.has_state = False
         #: Times this process read a checkpoint from storage (in place: only with no survivor).
@@ -409,10 +408,11 @@ class ElasticLoop:
         if self._inplace is None:
             yield
             return
+        self._inplace.declare(self.global_batch_size)
         try:
             yield
         except Exception as exc:
-            if not self._inplace.confirm_peer_failure(exc):
+            if not (self._inplace.in_place() and self._inplace.confirm_peer_failure(exc)):
                 raise
             self._abandoned = True
             self._batches = None

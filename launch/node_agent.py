@@ -129,6 +129,16 @@ class AgentOutcome:
 
 
 @dataclass
+class _Failure:
+    """A worker's failure whose cause is not settled yet (a peer's, or its own)."""
+
+    process: SlotProcess
+    code: int
+    world: WorldRecord | None
+    decide_by: float
+
+
+@dataclass
 class _Slot:
     """The agent's view of one worker slot."""
 
@@ -143,6 +153,7 @@ class _Slot:
     step: int = -1
     waiting: dict[str, Any] | None = None
     finished: bool = False
+    pending: _Failure | None = None
 
     def published(self) -> WorkerSlot:
         pid = self.process.pid if self.process is not None else 0
@@ -487,6 +498,10 @@ class NodeAgent:
                              and world.revision == self._last_world.revision):
             return
         previous, self._last_world = self._last_world, world
+        # Learn which peers answer a liveness probe, so that their refusal is trusted later.
+        self._probes.learn_in_background(
+            (m.addr, m.probe_port) for m in world.members
+            if m.node != self._node and m.probe_port)
         if world.store[0] == self.config.addr and self._stores.claim(world.store[1],
                                                                      world.epoch):
             self._publish()
@@ -546,7 +561,7 @@ class NodeAgent:
             return
         for slot in self._slots:
             if (slot.process is None and slot.ready and slot.restart_at is None
-                    and slot.local_id in ids and not slot.finished):
+                    and slot.pending is None and slot.local_id in ids and not slot.finished):
                 self._start(slot, world)
 
     def _check_join_timeout(self, run: RunMembership) -> AgentOutcome | None:
@@ -651,24 +666,58 @@ class NodeAgent:
     def _reap(self) -> None:
         changed = False
         exhausted = False
+        now = time.monotonic()
         with self._lock:
             for slot in self._slots:
                 process = slot.process
                 code = process.exit_code() if process is not None else None
-                if process is None or code is None:
-                    continue
-                slot.process = None
-                changed = True
-                if code == 0:
-                    slot.finished = True
-                    logger.info("worker %s exited 0", slot.local_id)
-                    continue
-                if not self._handle_failure(slot, process, code):
+                if process is not None and code is not None:
+                    slot.process = None
+                    changed = True
+                    if code == 0:
+                        slot.finished = True
+                        logger.info("worker %s exited 0", slot.local_id)
+                        continue
+                    slot.pending = _Failure(process, code, slot.started_for or
+                                            self._last_world, now + self._settle_s())
+                    slot.ready = False  # gone: the leader takes it out of the world now
+                if slot.pending is not None and not self._settle(slot, now):
                     exhausted = True
         if exhausted:
             self._leave_exhausted()
         elif changed:
             self._publish()
+
+    def _settle_s(self) -> float:
+        """How long a failure may wait for evidence that a peer caused it: a crashed
+        worker's agent reports it at once, a dead node is found by its refusing liveness
+        port at once, a silent host takes its lease TTL."""
+        return self.config.ttl + 1.0
+
+    def _peer_evidence(self, failure: _Failure) -> bool:
+        """Whether a newer world names, as lost, a worker of another node that was in the
+        failed worker's world: the failure was that peer's, not this worker's."""
+        before = failure.world
+        newest = self._run.world() if self._run is not None else None
+        if before is None or newest is None or newest.epoch <= before.epoch:
+            return False
+        others = {w for w in before.ranks() if not w.startswith(self._node + "/")}
+        return bool(others & (set(newest.lost) | set(newest.evicted)))
+
+    def _settle(self, slot: _Slot, now: float) -> bool:
+        """Decides a pending failure once its cause is known; False if the budget is out."""
+        failure = slot.pending
+        assert failure is not None
+        report = slot.report or {}
+        certain = (failure.process.stopping or bool(report.get("peer"))
+                   or failure.code < 0 or report.get("peer_type") is False)
+        if not certain and not self._peer_evidence(failure) and now < failure.decide_by:
+            return True  # the cause is not settled yet: wait for membership to say
+        slot.pending = None
+        if not failure.process.stopping and self._peer_evidence(failure):
+            report = {**report, "peer": True}
+            slot.report = report
+        return self._handle_failure(slot, failure.process, failure.code)
 
     def _handle_failure(self, slot: _Slot, process: SlotProcess, code: int) -> bool:
         """Decides what a failed worker costs; returns False if the budget is exhausted."""

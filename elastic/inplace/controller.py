@@ -231,6 +231,17 @@ class InPlaceController:
             gone |= (members - set(newest.ranks())) - set(newest.departed)
         return gone - {self.me}
 
+    def _peers_lost(self, world: WorldRecord | None) -> set[str]:
+        """Members of ``world`` (other than this worker) a newer world names lost or evicted:
+        the evidence that a failed collective was a peer's failure."""
+        if world is None:
+            return set()
+        newest = self.link.world
+        named = set(self.link.gone)
+        if newest is not None and newest.epoch > world.epoch:
+            named |= set(newest.lost) | set(newest.evicted)
+        return (set(world.ranks()) & named) - {self.me}
+
     def _on_message(self, message: dict[str, Any]) -> None:
         """Aborts the current world (or the one being built) when membership says so."""
         guard = self._guard
@@ -403,7 +414,7 @@ class InPlaceController:
 
     def restore(self, loop: ElasticLoop) -> None:
         """Admits a joiner now that its model is built; agrees on the step and heals."""
-        self.declare(loop.global_batch_size)
+        self.global_batch = loop.global_batch_size
         if self.deferred:
             self.deferred = False
             started = time.monotonic()
@@ -440,10 +451,21 @@ class InPlaceController:
                     return
         raise RuntimeError(f"healing failed {_MAX_BUILDS} times in a row; giving up.")
 
+    def in_place(self) -> bool:
+        """Whether this worker's world reconfigures in place (every worker declared it);
+        in a restart-mode world the agent restarts the workers on a change instead."""
+        newest, current = self.link.world, self.world
+        return (newest is not None and current is not None and newest.mode == "inplace"
+                and newest.epoch >= current.epoch)
+
     def boundary_epoch(self) -> int:
-        """The newest world epoch this worker knows (all-reduced at every step boundary)."""
+        """The newest world epoch to switch to (all-reduced at every step boundary): the
+        current one while the world is not in place."""
+        current = self.world.epoch if self.world is not None else 0
         newest = self.link.world
-        return newest.epoch if newest is not None else 0
+        if newest is None or not self.in_place():
+            return current
+        return max(current, newest.epoch)
 
     def change_pending(self) -> bool:
         """Whether a newer world than this worker's is known (it switches at a boundary)."""
@@ -471,7 +493,7 @@ class InPlaceController:
         if world is not None:
             nodes = [n for n in world.nodes() if n != self.link.node]
             self.link.send("suspect", nodes=nodes)
-        return self.link.wait(lambda _l: bool(self._members_gone(world)) or
+        return self.link.wait(lambda _l: bool(self._peers_lost(world)) or
                               (guard is not None and guard.aborted.is_set()),
                               _EVIDENCE_TIMEOUT_S)
 

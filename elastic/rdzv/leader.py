@@ -218,20 +218,38 @@ class LeaderLoop:
                             current)
             return _IDLE_WAKE_S
         assert proposal is not None
+        if current is not None and current.members and current.mode == "restart":
+            # Restart mode: every worker of the world restarts on any change, so the world
+            # goes through an empty epoch ("everyone restart") first, written at once for a
+            # loss and after the settle for growth; the next real world is then formed from
+            # the new incarnations once they settle. Writing the real world directly would
+            # restart the workers into a world of stale incarnations, one change at a time.
+            if change is Change.LOSS or self._settled(proposal, nodes):
+                self._write(_restart_all(current, nodes), current)
+                return 0.0
+            return self._remaining_settle()
         if change is Change.LOSS:
             evicted = tuple(w for w in self._evicting if w not in proposal.ranks())
             self._evicting = ()
-            self._write(proposal.with_changes(evicted=evicted), current)
+            assert current is not None
+            lost = tuple(w for w in current.ranks() if w not in proposal.ranks()
+                         and w not in proposal.departed and w not in evicted)
+            self._write(proposal.with_changes(evicted=evicted, lost=lost), current)
             return 0.0
-        signature = (proposal.ranks(), proposal.mode)
-        now = time.monotonic()
-        if self._pending != signature:
-            self._pending, self._pending_since = signature, now
-        remaining = self._limits.last_call - (now - self._pending_since)
-        if remaining <= 0 or self._complete(nodes, proposal):
+        if self._settled(proposal, nodes):
             self._write(proposal, current)
             return 0.0
-        return remaining
+        return self._remaining_settle()
+
+    def _settled(self, proposal: WorldRecord, nodes: Sequence[NodeRecord]) -> bool:
+        """Whether ``proposal`` stayed the same for the last call (or nobody else can come)."""
+        signature = (proposal.ranks(), proposal.mode)
+        if self._pending != signature:
+            self._pending, self._pending_since = signature, time.monotonic()
+        return self._remaining_settle() <= 0 or self._complete(nodes, proposal)
+
+    def _remaining_settle(self) -> float:
+        return max(0.0, self._limits.last_call - (time.monotonic() - self._pending_since))
 
     @staticmethod
     def _run_over(current: WorldRecord | None,
@@ -297,6 +315,15 @@ class LeaderLoop:
             self.stats.cas_won += 1
             logger.warning("replaced the invalid world record with epoch %d",
                            replacement.epoch)
+
+
+def _restart_all(current: WorldRecord, nodes: Sequence[NodeRecord]) -> WorldRecord:
+    """The empty world that makes every agent of a restart-mode world restart its workers;
+    ``lost`` names the workers whose loss caused it."""
+    ready = {f"{n.node}/{w.local_id}" for n in nodes for w in n.ready_workers()
+             if n.departing is None}
+    return WorldRecord(current.epoch + 1, (), current.store, "restart",
+                       lost=tuple(w for w in current.ranks() if w not in ready))
 
 
 def _without_workers(nodes: Sequence[NodeRecord], evicted: Sequence[str]) -> list[NodeRecord]:

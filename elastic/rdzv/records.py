@@ -265,6 +265,9 @@ class WorldRecord:
             notice: a planned change (survivors switch at a step boundary, nobody aborts).
         evicted: Workers of the previous world left out because every other worker waited
             for them (the progress rule): their agents stop them.
+        lost: Workers of the previous world that are gone (dead, not ready, their node's
+            lease lost): the cause of this world, so that a worker that failed at the same
+            time can tell a peer's failure from its own.
         revision: The key's mod revision (the CAS token; not serialized).
     """
 
@@ -274,6 +277,7 @@ class WorldRecord:
     mode: Mode = "restart"
     departed: tuple[str, ...] = ()
     evicted: tuple[str, ...] = ()
+    lost: tuple[str, ...] = ()
     revision: int = field(default=0, compare=False)
 
     def ranks(self) -> tuple[str, ...]:
@@ -326,6 +330,7 @@ class WorldRecord:
             "format": WORLD_FORMAT, "epoch": self.epoch, "mode": self.mode,
             "store": {"addr": self.store[0], "port": self.store[1]},
             "departed": list(self.departed), "evicted": list(self.evicted),
+            "lost": list(self.lost),
             "members": [{"node": m.node, "addr": m.addr, "probe_port": m.probe_port,
                          "workers": list(m.workers)} for m in self.members],
         })
@@ -372,7 +377,7 @@ class WorldRecord:
             raise RecordError(f"etcd key {key} has an invalid 'mode' ({mode!r}); only "
                               "elastic-run may write the job's keys.")
         lists = {}
-        for name in ("departed", "evicted"):
+        for name in ("departed", "evicted", "lost"):
             ids = _field(data, name, list, key)
             if not all(isinstance(i, str) for i in ids):
                 raise RecordError(f"etcd key {key} has an invalid {name!r} ({ids!r}); only "
@@ -381,7 +386,7 @@ class WorldRecord:
         return cls(epoch=_field(data, "epoch", int, key), members=tuple(members),
                    store=(_field(store, "addr", str, key), _field(store, "port", int, key)),
                    mode=mode, departed=lists["departed"], evicted=lists["evicted"],
-                   revision=revision)
+                   lost=lists["lost"], revision=revision)
 
 
 # -- job lifetime ----------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Unit tests of the in-place pieces that need no etcd: admission, failure classification,
+"""Unit tests of the in-place pieces that need no etcd: the failure-type rule,
 CheckpointManager.rebind across worlds, and the heal payload round trip."""
 
 from __future__ import annotations
@@ -8,23 +8,23 @@ import torch.distributed as dist
 from torch import nn
 
 from checkpointing import CheckpointManager
-from elastic.inplace.controller import admissible, is_peer_failure
+from elastic.inplace.controller import is_peer_failure_type
 from elastic.inplace.heal import dump_state, load_state
 
 
-def test_admissible_keeps_the_oldest_members_that_divide_the_global_batch() -> None:
-    live = ("a", "b", "c", "d", "e")
-    assert admissible(live, 12) == ("a", "b", "c", "d")
-    assert admissible(live, 10) == live
-    assert admissible(live, 7) == ("a",)
-    assert admissible(live, None) == live
+def test_only_collective_error_types_can_be_a_peers_failure_whatever_the_message() -> None:
+    # The type decides whether a failure *may* be a peer's; membership evidence decides
+    # whether it *is* (InPlaceController.confirm_peer_failure). Message text decides nothing.
+    assert is_peer_failure_type(RuntimeError("[gloo/pair.cc:537] Connection reset by peer"))
+    assert is_peer_failure_type(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
+    assert is_peer_failure_type(dist.DistNetworkError("timed out"))
+    assert not is_peer_failure_type(ValueError("connection reset by peer"))
+    assert not is_peer_failure_type(torch.OutOfMemoryError("CUDA out of memory"))
 
+    class Subclassed(RuntimeError):
+        pass
 
-def test_gloo_peer_errors_are_peer_failures_and_user_errors_are_not() -> None:
-    gloo = RuntimeError("[gloo/transport/tcp/pair.cc:537] Read error: Connection reset by peer")
-    assert is_peer_failure(gloo)
-    assert not is_peer_failure(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
-    assert not is_peer_failure(ValueError("connection reset"))
+    assert not is_peer_failure_type(Subclassed("a script's own RuntimeError subclass"))
 
 
 def test_every_rank_of_a_world_saves_into_the_same_round_directory(tmp_path: object) -> None:

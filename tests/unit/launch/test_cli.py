@@ -62,11 +62,33 @@ def test_endpoints_come_from_the_environment(
 
 
 def test_pet_variables_override_our_defaults(script: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("PET_RDZV_BACKEND", "c10d")
+    monkeypatch.setenv("PET_RDZV_BACKEND", "etcd-v3")
     monkeypatch.setenv("PET_NNODES", "2:5")
+    monkeypatch.setenv("PET_MAX_RESTARTS", "7")
     args = cli.parse_args(["--rdzv-endpoint", "127.0.0.1:29400", script])
-    assert args.rdzv_backend == "c10d"
+    assert args.rdzv_backend == "etcd-v3"
     assert args.nnodes == "2:5"
+    assert args.max_restarts == 7
+
+
+def test_defaults_give_every_node_a_crash_budget(script: str) -> None:
+    args = cli.parse_args(["--etcd", "127.0.0.1:2379", script])
+    assert args.max_restarts == 3 and args.restart_window == 3600
+
+
+def test_torchs_own_backends_are_refused_with_one_sentence(script: str) -> None:
+    with pytest.raises(ConfigError, match=r"^--rdzv-backend \(c10d\) is not elastic-run's; its "
+                       r"agent speaks its own etcd protocol, so drop the flag \(torch's "
+                       r"backends work with torchrun\)\.$"):
+        cli.parse_args(["--rdzv-backend", "c10d", "--rdzv-endpoint", "h:1", script])
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "two"])
+def test_a_bad_nproc_per_node_is_refused_before_anything_starts(script: str, value: str) -> None:
+    with pytest.raises(ConfigError, match=rf"^--nproc-per-node \({value}\) must be a positive "
+                       r"number of workers per node \(or auto, cpu, gpu\); pass for example "
+                       r"--nproc-per-node 1\.$"):
+        cli.parse_args(["--etcd", "h:1", "--nproc-per-node", value, script])
 
 
 def test_standalone_uses_our_backend_and_a_fresh_job_id(script: str) -> None:
