@@ -201,6 +201,7 @@ class NodeAgent:
         self._no_world_since = time.monotonic()
         self._pushed_lease_ok = True
         self._exhausted = False
+        self._said_done = False
         #: Worlds this node took part in (epochs), for tests and the report.
         self.epochs: list[int] = []
 
@@ -453,6 +454,10 @@ class NodeAgent:
         if outcome is not None:
             return outcome
         self._start_due()
+        if all(slot.finished for slot in self._slots) and not self._said_done:
+            self._said_done = True
+            logger.info("this node's workers finished training; waiting for the rest of the "
+                        "job")
         return self._check_join_timeout(run)
 
     # -- membership -------------------------------------------------------------------------
