@@ -1,15 +1,12 @@
-"""Unit tests of the in-place pieces that need no etcd: admission, failure classification,
-CheckpointManager.rebind across worlds, and the heal payload round trip."""
+"""Unit tests of the in-place pieces that need no etcd: admission, failure classification and
+CheckpointManager.rebind across worlds (the heal has its own, test_inplace_heal.py)."""
 
 from __future__ import annotations
 
-import torch
 import torch.distributed as dist
-from torch import nn
 
 from checkpointing import CheckpointManager
 from elastic.inplace.controller import admissible, is_peer_failure
-from elastic.inplace.heal import dump_state, load_state
 
 
 def test_admissible_keeps_the_oldest_members_that_divide_the_global_batch() -> None:
@@ -46,16 +43,3 @@ def test_every_rank_of_a_world_saves_into_the_same_round_directory(tmp_path: obj
         dist.destroy_process_group()
         survivor.close()
         newcomer.close()
-
-
-def test_heal_payload_round_trips_model_optimizer_and_plain_state() -> None:
-    torch.manual_seed(0)
-    source = nn.Linear(3, 2).double()
-    target = nn.Linear(3, 2).double()
-    counter = {"n": 4}
-    payload = dump_state({"model": source, "counter": counter})
-    fresh: dict[str, int] = {}
-    load_state({"model": target, "counter": fresh}, payload)
-    assert fresh == counter
-    for a, b in zip(source.parameters(), target.parameters(), strict=True):
-        assert torch.equal(a, b)
