@@ -226,6 +226,11 @@ class ElasticLoop:
         self._inplace: Any = controller
         if controller is not None and checkpoint is not None:
             checkpoint.commit_fence = controller.may_commit
+        if controller is not None:
+            for optimizer in _optimizers_in(state.values()):
+                # NCCL: a step of an aborted world must never be applied (see the controller).
+                optimizer.register_step_pre_hook(
+                    lambda *_args: controller.before_optimizer_step())
         #: Whether this process holds the job's state (restored, healed or trained a step).
         self.has_state = False
         #: Times this process read a checkpoint from storage (in place: only with no survivor).
@@ -635,6 +640,16 @@ class ElasticLoop:
         self._blocked_s += blocked
         self._record("checkpoint", round=self._round, step=self.step,
                      blocked_s=round(blocked, 4), final=final)
+
+
+def _optimizers_in(values: Iterable[Any]) -> list[torch.optim.Optimizer]:
+    """The optimizers among checkpointed state entries (e.g. ``ModelOptimizerState``)."""
+    found: list[torch.optim.Optimizer] = []
+    for value in values:
+        for candidate in (value, getattr(value, "optimizer", None)):
+            if isinstance(candidate, torch.optim.Optimizer) and candidate not in found:
+                found.append(candidate)
+    return found
 
 
 def _as_python_rng(value: Any) -> tuple[Any, ...]:

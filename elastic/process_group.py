@@ -17,12 +17,48 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-__all__ = ["ProcessGroups", "build_process_groups", "destroy_process_groups", "lower_timeouts"]
+__all__ = [
+    "NCCL_ASYNC_ERROR_HANDLING_ENV",
+    "ProcessGroups",
+    "build_process_groups",
+    "destroy_process_groups",
+    "lower_timeouts",
+    "set_nccl_error_handling",
+]
 
 logger = logging.getLogger(__name__)
 
-# NCCL only raises on a dead peer (instead of hanging) with async error handling on.
-_NCCL_ASYNC_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+NCCL_ASYNC_ERROR_HANDLING_ENV = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+"""What ProcessGroupNCCL's watchdog does when a collective fails or times out: ``0`` nothing,
+``1`` abort the communicators and tear the process down, ``2`` abort the communicators only,
+``3`` (torch's default) tear the process down without aborting them. Read when a group is
+constructed."""
+
+# Restart mode: a failed collective ends the worker and the agent restarts every worker of the
+# round anyway; 3 skips ncclCommAbort, which can itself hang on a broken communicator.
+_RESTART_ERROR_HANDLING = "3"
+# In place: the worker aborts its own communicators (elastic.inplace.abort). torch documents
+# _abort_process_group for 0 only; 1 and 3 would tear a survivor down, and 2 would abort
+# behind the back of WorldAbort, so that a step computed on garbage could count as done.
+_INPLACE_ERROR_HANDLING = "0"
+
+
+def set_nccl_error_handling(*, in_place: bool) -> None:
+    """Sets ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` for the NCCL groups this process builds next.
+
+    Restart mode keeps a value the user set. In place the value is forced to ``0``, with a
+    warning if the user set another: with any other value a survivor could be torn down by the
+    watchdog, or its step applied on an aborted collective's output.
+    """
+    if not in_place:
+        os.environ.setdefault(NCCL_ASYNC_ERROR_HANDLING_ENV, _RESTART_ERROR_HANDLING)
+        return
+    current = os.environ.get(NCCL_ASYNC_ERROR_HANDLING_ENV)
+    if current not in (None, _INPLACE_ERROR_HANDLING):
+        logger.warning("%s=%s ignored: in-place workers abort their own NCCL communicators "
+                       "and need %s", NCCL_ASYNC_ERROR_HANDLING_ENV, current,
+                       _INPLACE_ERROR_HANDLING)
+    os.environ[NCCL_ASYNC_ERROR_HANDLING_ENV] = _INPLACE_ERROR_HANDLING
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -45,7 +81,7 @@ def build_process_groups(
 ) -> ProcessGroups:
     """Initialises the default group from torchrun's ``env://`` and a gloo checkpoint group."""
     if backend == "nccl":
-        os.environ.setdefault(_NCCL_ASYNC_ERROR_HANDLING, "1")
+        set_nccl_error_handling(in_place=False)
     dist.init_process_group(
         backend, init_method="env://", rank=rank, world_size=world_size,
         timeout=init_timeout, device_id=device if device.type == "cuda" else None,

@@ -26,7 +26,6 @@ from __future__ import annotations
 import logging
 import os
 import statistics
-import threading
 import time
 from collections import deque
 from datetime import timedelta
@@ -34,15 +33,15 @@ from typing import TYPE_CHECKING, Any, Final
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import PrefixStore, TCPStore
+from torch._C._distributed_c10d import TCPStore
 
 from elastic import env
 from elastic.agent_link import AgentLink
 from elastic.context import ElasticContext, World
 from elastic.errors import ConfigError, ElasticError
+from elastic.inplace.abort import WorldAbort
 from elastic.inplace.groups import abort_groups, build_groups, standby_groups
 from elastic.inplace.heal import HealResult, agree_and_heal
-from elastic.inplace.sockets import WorldSockets, socket_inodes
 from elastic.process_group import ProcessGroups
 from elastic.rdzv.records import WorldRecord
 
@@ -93,56 +92,6 @@ def _env_number(name: str, default: float) -> float:
         raise ConfigError(f"environment variable {name} ({raw!r}) must be a number.") from None
 
 
-class WorldGuard:
-    """Makes every collective of one world fail promptly, from any thread.
-
-    gloo has no working abort (see :mod:`~elastic.inplace.sockets`): the sockets the world
-    opened since its build began are shut down, which fails every blocked read or write on
-    them, the store connection of a build still in progress included. NCCL communicators are
-    aborted (cancelling in-flight kernels). Idempotent and safe after the groups are gone.
-
-    Args:
-        keep: File descriptors never to touch (the worker's channel to its agent).
-    """
-
-    def __init__(self, keep: set[int]) -> None:
-        self._keep = keep
-        self._before = socket_inodes()
-        self._after: dict[int, int] | None = None
-        self._lock = threading.Lock()
-        self._groups: ProcessGroups | None = None
-        self.aborted = threading.Event()
-        self.reason = ""
-
-    def built(self, groups: ProcessGroups) -> None:
-        """Records the world's groups once built; from now on only the sockets the build
-        opened are the world's (later ones, such as the script's S3 uploads, never are)."""
-        with self._lock:
-            self._groups = groups
-            self._after = socket_inodes()
-
-    def abort(self, reason: str) -> None:
-        """Fails every collective (and a build in progress) of this world now."""
-        with self._lock:
-            if self.aborted.is_set():
-                return
-            self.aborted.set()
-            self.reason = reason
-            groups = self._groups
-        if groups is not None and groups.backend == "nccl":
-            abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
-            if abort is not None:
-                try:
-                    abort(groups.default)
-                except Exception:  # already torn down by the training thread
-                    logger.debug("aborting the NCCL group failed", exc_info=True)
-        with self._lock:
-            now = self._after if self._after is not None else socket_inodes()
-        after = {fd: inode for fd, inode in now.items() if fd not in self._keep}
-        severed = WorldSockets(self._before, after).sever()
-        logger.warning("aborted world: %s (%d connection(s) shut down)", reason, severed)
-
-
 class InPlaceController:
     """Keeps one worker in the job's world across membership changes.
 
@@ -178,7 +127,7 @@ class InPlaceController:
         self.join_timeout = timedelta(minutes=30)
         self.max_step_retries = int(_env_number("ELASTIC_MAX_STEP_RETRIES",
                                                 DEFAULT_MAX_STEP_RETRIES))
-        self._guard: WorldGuard | None = None
+        self._guard: WorldAbort | None = None
         self._building: WorldRecord | None = None
         self._failed_at: float | None = None
         self._retries: dict[int, int] = {}
@@ -245,7 +194,7 @@ class InPlaceController:
     def _on_message(self, message: dict[str, Any]) -> None:
         """Aborts the current world (or the one being built) when membership says so."""
         guard = self._guard
-        if guard is None or guard.aborted.is_set():
+        if guard is None or guard.aborted:
             return
         building, training = self._building, self.world
         newest = self.link.world
@@ -324,31 +273,31 @@ class InPlaceController:
     def _build(self, world: WorldRecord) -> ProcessGroups | None:
         """Builds ``world``'s groups; ``None`` if it failed (a member did not come, or the
         world was replaced or aborted meanwhile)."""
-        abort_groups()
+        abort_groups(self._guard)
         self._tried_epoch = max(self._tried_epoch, world.epoch)
         rank = world.ranks().index(self.me)
-        guard = WorldGuard(keep={self.link.fileno})
+        # Created before the store client connects: an abort during the build (a member
+        # gone, a newer world) severs the store connection too, so the build fails now.
+        guard = WorldAbort(skip_fds={self.link.fileno}, name=f"epoch {world.epoch}")
         self._guard, self._building = guard, world
         started = time.monotonic()
         self._on_message({})  # a change that landed before the guard existed
         try:
-            if guard.aborted.is_set():
-                raise RuntimeError(guard.reason)
+            guard.check()
             client = TCPStore(world.store[0], world.store[1], is_master=False,
                               timeout=self.build_timeout)
             groups = build_groups(
-                self.backend, store=PrefixStore(f"e{world.epoch}/", client),
-                epoch=world.epoch, rank=rank, world_size=world.world_size,
-                device=self.device, timeout=self.build_timeout,
+                self.backend, store=client, epoch=world.epoch, rank=rank,
+                world_size=world.world_size, device=self.device, timeout=self.build_timeout,
+                world_abort=guard,
             )
         except (RuntimeError, dist.DistError, ValueError) as exc:
             logger.warning("world epoch %d could not be built (%s)", world.epoch,
                            str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__)
-            abort_groups()
+            abort_groups(guard)
             self._building = None
             return None
         self._building = None
-        guard.built(groups)
         if self.train_timeout is not None:
             set_timeout = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
             if set_timeout is not None:  # local: no barrier needed to *raise* a timeout
@@ -395,11 +344,11 @@ class InPlaceController:
                 24 * 3600.0, "the next world")
             if self.me in world.departed:
                 self.left = True
-                abort_groups()
+                abort_groups(self._guard)
                 logger.info("this worker's node departs: leaving the job at step boundary")
                 return
             if self.me not in world.ranks():
-                abort_groups()
+                abort_groups(self._guard)
                 logger.info("not in world epoch %d: waiting to be admitted", world.epoch)
                 self._tried_epoch = max(self._tried_epoch, world.epoch)
                 continue
@@ -429,7 +378,8 @@ class InPlaceController:
         for _ in range(_MAX_BUILDS):
             try:
                 result = agree_and_heal(loop.step if loop.has_state else -1,
-                                        loop.heal_state(), self.ctx.checkpoint_group)
+                                        loop.heal_state(), self.ctx.checkpoint_group,
+                                        device=self.device)
                 # Re-plan, re-shard and move the checkpoint manager to this world first: a
                 # restore reads storage with this world's collectives.
                 loop.world_changed()
@@ -487,14 +437,14 @@ class InPlaceController:
         if not is_peer_failure_type(exc):
             return False
         guard = self._guard
-        if guard is not None and guard.aborted.is_set():
+        if guard is not None and guard.aborted:
             return True
         world = self.world
         if world is not None:
             nodes = [n for n in world.nodes() if n != self.link.node]
             self.link.send("suspect", nodes=nodes)
         return self.link.wait(lambda _l: bool(self._peers_lost(world)) or
-                              (guard is not None and guard.aborted.is_set()),
+                              (guard is not None and guard.aborted),
                               _EVIDENCE_TIMEOUT_S)
 
     def abandon(self, exc: BaseException, step: int) -> None:
@@ -549,7 +499,25 @@ class InPlaceController:
         """
         guard = self._guard
         return self.link.lease_ok and self.link.evicted is None and (
-            guard is None or not guard.aborted.is_set())
+            guard is None or not guard.aborted)
+
+    def before_optimizer_step(self) -> None:
+        """Refuses to apply a step whose world was aborted (NCCL).
+
+        Aborting an NCCL communicator does not raise for work already queued: the stream is
+        released and the collective's output is garbage. So, with NCCL, the host waits for
+        the step's collectives and checks the world before the optimizer applies anything;
+        a step of an aborted world raises (and is abandoned) instead. gloo's collectives are
+        synchronous and fail in the aborted call itself: nothing to do.
+
+        Raises:
+            WorldAbortedError: If the world was aborted.
+        """
+        guard = self._guard
+        if guard is None or self.backend != "nccl":
+            return
+        torch.cuda.current_stream(self.device).synchronize()
+        guard.check()
 
     def finish(self, step: int, *, finished: bool) -> None:
         """Tells the agent the job finished (from the world's rank 0) and closes the link."""

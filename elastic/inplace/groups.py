@@ -9,22 +9,25 @@ Tear-down must not hang on a dead peer. gloo raises at once when a peer's connec
 (a SIGKILLed process), and destroying its groups is local. NCCL communicators can block in
 ``destroy`` while a kernel waits for a dead peer, so :func:`abort_groups` aborts them first
 (``torch.distributed.distributed_c10d._abort_process_group``, private but present since torch
-2.5; the only way to cancel pending NCCL work). Only gloo on CPU is exercised by this
-repository's tests; the NCCL path is written but has not been run on a GPU.
+2.5; the only way to cancel pending NCCL work). NCCL groups are built with
+``TORCH_NCCL_ASYNC_ERROR_HANDLING=0``: the watchdog never tears a survivor down, and a
+collective blocked on a member that is gone is cancelled by this worker itself, from a watch
+thread, through the world's :class:`~elastic.inplace.abort.WorldAbort`. Only gloo on CPU is
+exercised by this repository's tests; the NCCL path is written but has not been run on a GPU.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import os
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import HashStore, PrefixStore, Store
 
-from elastic.process_group import ProcessGroups
+from elastic.inplace.abort import WorldAbort
+from elastic.process_group import ProcessGroups, set_nccl_error_handling
 
 __all__ = ["abort_groups", "build_groups", "standby_groups"]
 
@@ -33,16 +36,22 @@ logger = logging.getLogger(__name__)
 
 def build_groups(
     backend: str, *, store: Store, epoch: int, rank: int, world_size: int,
-    device: torch.device, timeout: timedelta,
+    device: torch.device, timeout: timedelta, world_abort: WorldAbort | None = None,
 ) -> ProcessGroups:
     """Initialises the default group and a gloo checkpoint group for world ``epoch``.
+
+    Args:
+        world_abort: The world's abort handle, created before the build (and before ``store``
+            was connected, so that an abort during the build also severs the store
+            connection); it is told the groups once they exist.
 
     Raises:
         torch.distributed.DistStoreError: (or another ``RuntimeError``) when a member does
             not arrive within ``timeout``.
+        WorldAbortedError: When ``world_abort`` was aborted during the build.
     """
     if backend == "nccl":
-        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+        set_nccl_error_handling(in_place=True)
     store.set_timeout(timeout)
     _reset_group_names()
     prefixed = PrefixStore(f"e{epoch}/", store)
@@ -53,6 +62,8 @@ def build_groups(
     default = dist.group.WORLD
     assert default is not None
     checkpoint = dist.new_group(backend="gloo", timeout=timeout)
+    if world_abort is not None:
+        world_abort.built(default, checkpoint)
     return ProcessGroups(backend=backend, default=default, checkpoint=checkpoint)
 
 
@@ -80,8 +91,15 @@ def _reset_group_names() -> None:
         world.group_count = 0
 
 
-def abort_groups() -> None:
-    """Drops every group of this process without waiting for peers (safe with none)."""
+def abort_groups(world_abort: WorldAbort | None = None) -> None:
+    """Drops every group of this process without waiting for peers (safe with none).
+
+    Args:
+        world_abort: The groups' abort handle: released first, so that a watch thread's
+            abort never runs on groups this thread is destroying.
+    """
+    if world_abort is not None:
+        world_abort.release()
     if not (dist.is_available() and dist.is_initialized()):
         return
     backend = dist.get_backend()

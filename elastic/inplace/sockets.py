@@ -14,6 +14,12 @@ them down (``shutdown(2)``, not ``close``: the fds stay gloo's to close). Every 
 or writing to this worker fails at once with "connection closed by peer" and reconfigures too.
 Only failure paths sever: on a planned change every rank leaves the world at the same agreed
 boundary and its groups are destroyed normally.
+
+Only connected TCP sockets are ever touched: never a listener (gloo's accept thread treats an
+error on its listener as fatal and aborts the whole process), never a Unix socket (a worker's
+channel to its agent). A noted socket is shut down through a duplicate of its fd whose inode is
+checked *after* duplicating, so a socket that gloo closed meanwhile (and whose fd number was
+reused by something else) is never hit, even while another thread destroys the groups.
 """
 
 from __future__ import annotations
@@ -22,9 +28,9 @@ import contextlib
 import logging
 import os
 import socket
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 
-__all__ = ["WorldSockets", "socket_inodes"]
+__all__ = ["WorldSockets", "opened_since", "sever_sockets", "socket_inodes"]
 
 logger = logging.getLogger(__name__)
 
@@ -48,16 +54,6 @@ def socket_inodes() -> dict[int, int]:
     return found
 
 
-def _inode_of(fd: int) -> int | None:
-    try:
-        target = os.readlink(f"{_FD_DIR}/{fd}")
-    except OSError:
-        return None
-    if target.startswith("socket:[") and target.endswith("]"):
-        return int(target[len("socket:["):-1])
-    return None
-
-
 def _peer_port(fd: int) -> int | None:
     """The remote port of a connected TCP socket, ``None`` for anything else."""
     try:
@@ -73,6 +69,56 @@ def _peer_port(fd: int) -> int | None:
                 return None
     except OSError:
         return None
+
+
+def opened_since(before: Mapping[int, int], *, skip_ports: Collection[int] = (),
+                 skip_fds: Collection[int] = ()) -> dict[int, int]:
+    """The connected TCP sockets opened since ``before`` (a :func:`socket_inodes` snapshot).
+
+    Args:
+        before: The snapshot taken before the world's groups (and store client) were built.
+        skip_ports: Remote ports never to touch (etcd's, a store shared across worlds).
+        skip_fds: File descriptors never to touch (a channel to the node agent).
+
+    Returns:
+        fd -> inode of every socket to shut down if the world breaks.
+    """
+    found: dict[int, int] = {}
+    for fd, inode in socket_inodes().items():
+        if before.get(fd) == inode or fd in skip_fds:
+            continue
+        port = _peer_port(fd)
+        if port is None or port in skip_ports:
+            continue
+        found[fd] = inode
+    return found
+
+
+def sever_sockets(sockets: Mapping[int, int]) -> int:
+    """Shuts down every socket of ``sockets`` (fd -> inode) that is still the same one.
+
+    Returns:
+        How many were shut down.
+    """
+    severed = 0
+    for fd, inode in sockets.items():
+        try:
+            dup = os.dup(fd)
+        except OSError:  # closed since
+            continue
+        # Checked on the duplicate: from here on the socket cannot be closed and replaced
+        # under us, so a reused fd number is never mistaken for the noted socket.
+        with socket.socket(fileno=dup) as sock:
+            try:
+                same = os.fstat(dup).st_ino == inode
+            except OSError:
+                same = False
+            if not same:
+                continue
+            with contextlib.suppress(OSError):  # already shut down or reset by the peer
+                sock.shutdown(socket.SHUT_RDWR)
+                severed += 1
+    return severed
 
 
 class WorldSockets:
@@ -100,12 +146,6 @@ class WorldSockets:
 
     def sever(self) -> int:
         """Shuts down every noted socket that is still the same one; returns how many."""
-        severed = 0
-        for fd, inode in self._sockets.items():
-            if _inode_of(fd) != inode:  # closed (and maybe reused) since: not ours any more
-                continue
-            with contextlib.suppress(OSError), socket.socket(fileno=os.dup(fd)) as sock:
-                sock.shutdown(socket.SHUT_RDWR)
-                severed += 1
+        severed = sever_sockets(self._sockets)
         self._sockets.clear()
         return severed

@@ -1,15 +1,13 @@
-"""Unit tests of the in-place pieces that need no etcd: the failure-type rule,
-CheckpointManager.rebind across worlds, and the heal payload round trip."""
+"""Unit tests of the in-place pieces that need no etcd: the failure-type rule and
+CheckpointManager.rebind across worlds (the heal has its own, test_inplace_heal.py)."""
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from checkpointing import CheckpointManager
 from elastic.inplace.controller import is_peer_failure_type
-from elastic.inplace.heal import dump_state, load_state
 
 
 def test_only_collective_error_types_can_be_a_peers_failure_whatever_the_message() -> None:
@@ -46,16 +44,3 @@ def test_every_rank_of_a_world_saves_into_the_same_round_directory(tmp_path: obj
         dist.destroy_process_group()
         survivor.close()
         newcomer.close()
-
-
-def test_heal_payload_round_trips_model_optimizer_and_plain_state() -> None:
-    torch.manual_seed(0)
-    source = nn.Linear(3, 2).double()
-    target = nn.Linear(3, 2).double()
-    counter = {"n": 4}
-    payload = dump_state({"model": source, "counter": counter})
-    fresh: dict[str, int] = {}
-    load_state({"model": target, "counter": fresh}, payload)
-    assert fresh == counter
-    for a, b in zip(source.parameters(), target.parameters(), strict=True):
-        assert torch.equal(a, b)

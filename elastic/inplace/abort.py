@@ -1,0 +1,219 @@
+"""Making every collective of one world fail at once, from any thread.
+
+A worker learns that a member of its world is gone from a watch thread (its node agent tells
+it, a liveness probe is refused, a lease expires) while its training thread is blocked in a
+collective with that member, or in the build of a world that member will never join. A
+:class:`WorldAbort` is what that thread calls: it makes the training thread's collective fail
+promptly and leaves the process alive to build the next world.
+
+* **gloo** has no abort that works while the group is referenced (see
+  :mod:`~elastic.inplace.sockets`). The world's TCP connections are shut down instead: those
+  opened since the ``WorldAbort`` was created (before the store client and the groups were
+  built), minus the fds and remote ports the owner excludes. A blocked gloo collective fails
+  with "connection closed"; a blocked store wait (``init_process_group`` waiting for a member)
+  fails too when the store client was connected after the snapshot. Until :meth:`built`
+  freezes the set, :meth:`abort` severs whatever was opened so far, so a build is aborted too.
+* **NCCL** (and other accelerator backends): the communicators are aborted with the backend's
+  own ``abort()`` (``ncclCommAbort`` under the hood), called from the aborting thread; torch's
+  watchdog does the same from its own thread, so this is safe while the training thread waits
+  on a stream. The process-group registry (``torch.distributed``'s ``_world``) is never
+  touched from here: the owner drops the groups later on its own thread
+  (:func:`~elastic.inplace.groups.abort_groups`).
+
+Both branches share the bookkeeping and the locking; only the final call differs.
+
+With NCCL, aborting a communicator **does not raise** in the training thread for work already
+queued: the stream is released and the collective's output is garbage. ``TORCH_NCCL_ASYNC_
+ERROR_HANDLING=0`` (see :mod:`elastic.process_group`) keeps the watchdog from tearing the
+process down, so the owner must call :meth:`WorldAbort.check` after the host has seen the
+step's collectives complete and before the step counts as done (before ``optimizer.step()``,
+after a stream synchronisation): a step whose world was aborted is abandoned, never applied.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Collection
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from elastic.inplace.sockets import opened_since, sever_sockets, socket_inodes
+
+__all__ = ["WorldAbort", "WorldAbortedError", "accelerator_backends"]
+
+logger = logging.getLogger(__name__)
+
+
+class WorldAbortedError(dist.DistError):
+    """A collective's world was aborted (a member is gone); the step must be abandoned.
+
+    A ``DistError`` so that :func:`~elastic.inplace.controller.is_peer_failure` counts it.
+    """
+
+
+def accelerator_backends(group: Any) -> list[Any]:
+    """The backends of ``group`` that own accelerator communicators (NCCL, XCCL...), not gloo.
+
+    Args:
+        group: A ``torch.distributed.ProcessGroup`` (or an object with its
+            ``_device_types``/``_get_backend`` interface).
+    """
+    found: list[Any] = []
+    for device_type in getattr(group, "_device_types", ()):
+        kind = getattr(device_type, "type", str(device_type))
+        if kind == "cpu":
+            continue
+        try:
+            backend = group._get_backend(torch.device(kind))
+        except RuntimeError:  # no backend for this device type
+            continue
+        name = str(backend.name()).lower()
+        if name != "gloo" and all(backend is not b for b in found):
+            found.append(backend)
+    return found
+
+
+class WorldAbort:
+    """Makes every collective of one built world fail promptly, from any thread.
+
+    Create it just before building a world (before connecting its store client and calling
+    ``init_process_group``), call :meth:`built` with the world's groups once they exist, and
+    :meth:`release` just before the owner destroys them. :meth:`abort` may be called at any
+    time from any thread: before, during or after the build, twice, concurrently with
+    :meth:`release`, or after the groups are gone.
+
+    Args:
+        skip_ports: Remote TCP ports never to shut down (etcd, a store shared across worlds).
+        skip_fds: File descriptors never to shut down (a channel to the node agent);
+            consulted at each sever, so the owner may add to it later.
+        name: Names the world in log lines (``"epoch 7"``).
+    """
+
+    def __init__(self, *, skip_ports: Collection[int] = (), skip_fds: Collection[int] = (),
+                 name: str = "") -> None:
+        self.name = name
+        self._before = socket_inodes()
+        self._skip_ports = frozenset(skip_ports)
+        self._skip_fds = skip_fds
+        self._sockets: dict[int, int] | None = None  # frozen by built()
+        self._backends: list[Any] = []
+        self._released = False
+        self._reason: str | None = None
+        self._flag_lock = threading.Lock()  # held for flag reads and writes only
+        self._work_lock = threading.Lock()  # held while tearing down, freezing or releasing
+
+    @property
+    def aborted(self) -> bool:
+        """Whether :meth:`abort` was called."""
+        return self._reason is not None
+
+    @property
+    def reason(self) -> str | None:
+        """The reason given to the first :meth:`abort`, ``None`` while not aborted."""
+        return self._reason
+
+    def built(self, *groups: Any) -> None:
+        """Freezes the world's sockets and notes its accelerator communicators.
+
+        Sockets opened later (by storage clients, probes) are never severed by this world.
+
+        Args:
+            groups: Every ``ProcessGroup`` of the world.
+
+        Raises:
+            WorldAbortedError: If :meth:`abort` ran during the build (the world must not be
+                used; what the build opened after the abort is severed too).
+        """
+        with self._work_lock:
+            sockets = opened_since(self._before, skip_ports=self._skip_ports,
+                                   skip_fds=self._skip_fds)
+            backends = [b for g in groups for b in accelerator_backends(g)]
+            with self._flag_lock:
+                if self._reason is None and not self._released:
+                    self._sockets = sockets
+                    self._backends = backends
+                    return
+                reason = self._reason or "released before it was built"
+            self._tear_down(sockets, backends)
+        raise WorldAbortedError(f"world {self.name} was aborted while it was built ({reason}).")
+
+    def abort(self, reason: str) -> None:
+        """Makes the world's collectives fail; idempotent, thread-safe, returns promptly.
+
+        Blocks at most for an accelerator backend's own abort (bounded by its timeout).
+
+        Args:
+            reason: Why (logged, and carried by :class:`WorldAbortedError`).
+        """
+        with self._flag_lock:
+            if self._reason is not None:
+                return
+            self._reason = reason
+        started = time.monotonic()
+        with self._work_lock:
+            if self._released:
+                logger.info("world %s aborted after its groups were released (%s)",
+                            self.name, reason)
+                return
+            sockets = self._sockets
+            if sockets is None:  # still building: whatever it opened so far
+                sockets = opened_since(self._before, skip_ports=self._skip_ports,
+                                       skip_fds=self._skip_fds)
+            backends = list(self._backends)
+            severed = self._tear_down(sockets, backends)
+        logger.warning("world %s aborted (%s): %d communicator(s) aborted, %d connection(s) "
+                       "shut down in %.3fs", self.name, reason, len(backends), severed,
+                       time.monotonic() - started)
+
+    def check(self) -> None:
+        """Raises :class:`WorldAbortedError` if the world was aborted."""
+        reason = self._reason
+        if reason is not None:
+            raise WorldAbortedError(f"world {self.name} was aborted ({reason}).")
+
+    def release(self) -> None:
+        """The owner is about to destroy the groups: :meth:`abort` must not touch them any more.
+
+        Waits for an abort in progress to finish; a later :meth:`abort` only sets the flag.
+        """
+        with self._work_lock:
+            with self._flag_lock:
+                self._released = True
+            self._sockets = {}
+            self._backends = []
+
+    @staticmethod
+    def _tear_down(sockets: dict[int, int], backends: list[Any]) -> int:
+        # Accelerator communicators first: ncclCommAbort closes NCCL's own sockets, so they
+        # are gone (and skipped) by the time the rest of the world's connections are shut.
+        if backends:
+            _abort_backends(backends)
+        return sever_sockets(sockets)
+
+
+def _abort_backends(backends: list[Any]) -> None:
+    """Aborts accelerator communicators, the way ``_abort_process_group`` does for a world.
+
+    Several NCCL communicators are aborted inside one NCCL group so that their aborts cannot
+    deadlock each other (pytorch#119797).
+    """
+    first = backends[0]
+    grouped = len(backends) > 1 and hasattr(first, "_group_start")
+    if grouped:
+        first._group_start()
+    try:
+        for backend in backends:
+            try:
+                backend.abort()
+            except Exception:  # already aborted or shut down: nothing left to cancel
+                logger.debug("aborting backend %r failed", backend, exc_info=True)
+    finally:
+        if grouped:
+            try:
+                first._group_end()
+            except Exception:
+                logger.debug("ending the NCCL group of the abort failed", exc_info=True)
