@@ -208,6 +208,13 @@ class LeaderLoop:
                                ", ".join(slow))
         proposal = next_world(current, nodes, min_nodes=self._limits.min_nodes,
                               max_nodes=self._limits.max_nodes, used_stores=self._used_stores)
+        if proposal is None and current is not None and current.members:
+            empty = _restart_all(current, nodes)
+            if empty.lost:
+                # Too few nodes are left to train, but the survivors must still learn now
+                # that their world is broken (and which workers caused it): an empty world.
+                self._write(empty.with_changes(mode=current.mode), current)
+                return 0.0
         change = classify(current, proposal)
         if change is Change.NONE:
             self._pending = None
@@ -261,6 +268,9 @@ class LeaderLoop:
         if failure is not None:
             return EndRecord("failed", f"the training script failed on every worker at step "
                              f"{failure.step}: {failure.error}", failure.step)
+        if nodes and all(n.done for n in nodes):
+            # Also after a loss left an empty world: whoever is still here is done.
+            return EndRecord("finished", "every worker finished training")
         if current is None or not current.members:
             return None
         by_node = {n.node: n for n in nodes}
