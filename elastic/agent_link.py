@@ -26,7 +26,7 @@ from elastic import env
 from elastic.errors import ConfigError
 from elastic.rdzv.records import RecordError, WorldRecord
 
-__all__ = ["AgentLink", "describe", "link_from_env", "report_failure", "send_all"]
+__all__ = ["AgentLink", "current_link", "describe", "link_from_env", "report_failure", "send_all"]
 
 logger = logging.getLogger(__name__)
 
@@ -230,6 +230,11 @@ class AgentLink:
 
 
 _active: AgentLink | None = None
+
+
+def current_link() -> AgentLink | None:
+    """The link ``elastic.init()`` opened, if this worker runs under elastic-run."""
+    return _active
 
 
 def describe(exc: BaseException) -> str:

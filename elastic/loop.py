@@ -542,6 +542,7 @@ class ElasticLoop:
             self._drained = True
             self._save(final=True)
             logger.info("drained at step %d", self.step)
+            _tell_agent("drained", step=self.step)
         elif self.step >= self.max_steps:
             self._save(final=True)
         elif self.step % self.checkpoint_interval == 0:
@@ -640,6 +641,15 @@ class ElasticLoop:
         self._blocked_s += blocked
         self._record("checkpoint", round=self._round, step=self.step,
                      blocked_s=round(blocked, 4), final=final)
+
+
+def _tell_agent(kind: str, **fields: Any) -> None:
+    """Sends a message to the node agent when elastic-run runs this worker (else nothing)."""
+    from elastic.agent_link import current_link
+
+    link = current_link()
+    if link is not None:
+        link.send(kind, **fields)
 
 
 def _optimizers_in(values: Iterable[Any]) -> list[torch.optim.Optimizer]:

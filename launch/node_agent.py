@@ -202,6 +202,7 @@ class NodeAgent:
         self._pushed_lease_ok = True
         self._exhausted = False
         self._said_done = False
+        self._change_reason = "start"
         #: Worlds this node took part in (epochs), for tests and the report.
         self.epochs: list[int] = []
 
@@ -329,6 +330,10 @@ class NodeAgent:
                 slot.waiting = None
             elif kind == "failure":
                 slot.report = dict(message)
+            elif kind == "drained":
+                # Stopped at a step boundary after a final checkpoint (a peer's notice, or
+                # this node's): not a failure, whatever its exit code.
+                slot.report = {"drained": True, "step": message.get("step")}
             elif kind == "finished":
                 self._end(EndRecord("finished", "training finished",
                                     int(message.get("step", -1))))
@@ -409,7 +414,8 @@ class NodeAgent:
             on_lease_lost=self._lease_lost.set)
         self._start_slots_for_join()
         self._run.join(self._record())
-        self.events.record("agent_started", node=self._node, generation=opened.keys.generation,
+        self.events.record("agent_started", node_id=self._node,
+                           generation=opened.keys.generation,
                            min_nodes=self.config.min_nodes, max_nodes=self.config.max_nodes,
                            nproc_per_node=self.config.nproc_per_node)
         try:
@@ -510,6 +516,9 @@ class NodeAgent:
         if world.store[0] == self.config.addr and self._stores.claim(world.store[1],
                                                                      world.epoch):
             self._publish()
+        cause = _cause_of(world, previous)
+        if cause is not None:
+            self._change_reason = cause
         mine = world.member(self._node)
         if mine is not None:
             self._no_world_since = time.monotonic()
@@ -518,7 +527,8 @@ class NodeAgent:
                 self.events.record("round_started", round=world.epoch,
                                    group_rank=world.node_rank(self._node),
                                    world=len(world.members), workers=world.world_size,
-                                   mode=world.mode)
+                                   mode=world.mode, reason=self._change_reason)
+                self._change_reason = "node_joined"
         if self._clear_stale_waiting(world):
             self._publish()
         with self._lock:
@@ -715,6 +725,7 @@ class NodeAgent:
         assert failure is not None
         report = slot.report or {}
         certain = (failure.process.stopping or bool(report.get("peer"))
+                   or bool(report.get("drained"))
                    or failure.code < 0 or report.get("peer_type") is False)
         if not certain and not self._peer_evidence(failure) and now < failure.decide_by:
             return True  # the cause is not settled yet: wait for membership to say
@@ -729,7 +740,7 @@ class NodeAgent:
         report = slot.report or {}
         world = self._last_world
         in_place = world is not None and world.mode == "inplace" and slot.inplace
-        if process.stopping:
+        if process.stopping or report.get("drained"):
             cause, delay = "stopped", 0.0
         elif report.get("peer"):
             cause, delay = "peer_failure", self._budget.backoff_base
@@ -839,16 +850,22 @@ class NodeAgent:
         run = self._run
         assert run is not None
         now = time.monotonic()
+        world = self._last_world
+        in_place = world is not None and world.mode == "inplace"
         if self._departing_since is None:
             self._departing_since = now
             logger.warning("preemption notice from %s: leaving the job",
                            getattr(notice, "source", "?"))
             self.events.record("planned_departure", round=self._epoch(),
-                               notice=getattr(notice, "source", "?"))
-            self._publish()  # the departing note: the leader writes a world without us
-            world = self._last_world
-            if world is None or world.mode != "inplace":
-                # Restart mode: the workers drain (final checkpoint) on SIGTERM.
+                               notice=getattr(notice, "source", "?"), in_place=in_place,
+                               announced=True, member_ttl=self.config.ttl,
+                               deadline=(self._departure_note() or {}).get("deadline"))
+            # The departing note. In place the leader writes a world without this node at
+            # once, marked departed: its workers leave at the next step boundary, nobody
+            # restarts. In restart mode the world stays until the drain is over (a final
+            # checkpoint needs every rank), then goes as planned.
+            self._publish()
+            if not in_place:
                 with self._lock:
                     for slot in self._slots:
                         if slot.process is not None:
@@ -905,6 +922,19 @@ class NodeAgent:
         self._channel.close()
         self._liveness.close()
         self._stores.close()
+
+
+def _cause_of(world: WorldRecord, previous: WorldRecord | None) -> str | None:
+    """Why ``world`` was written, for the event log (``None``: it says nothing new)."""
+    if previous is not None and world.epoch == previous.epoch:
+        return None  # a mode upgrade of the same world
+    if world.departed:
+        return "planned_departure"
+    if world.evicted:
+        return "worker_evicted"
+    if world.lost:
+        return "node_lost"
+    return None
 
 
 def _notice_budget(notice: Any) -> float:

@@ -116,7 +116,8 @@ def run(args: argparse.Namespace) -> int:
         return _fail(str(exc), EXIT_RENDEZVOUS)
     client = client_for(args.rdzv_endpoint, conf)
     # The client holds the password now; the workers never get it (they do not talk to etcd).
-    os.environ.pop(env.ETCD_PASSWORD, None)
+    if os.environ.pop(env.ETCD_PASSWORD, None) is not None:
+        logger.info("%s is not passed on to the workers.", env.ETCD_PASSWORD)
     addr = registered_address(config.local_addr or args.local_addr, args.rdzv_endpoint)
     entrypoint, worker_args = guarded_command(cmd, cmd_args)
     command = WorkerCommand((entrypoint, *worker_args), worker_base_env(os.environ))

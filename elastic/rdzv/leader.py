@@ -330,10 +330,12 @@ class LeaderLoop:
 def _restart_all(current: WorldRecord, nodes: Sequence[NodeRecord]) -> WorldRecord:
     """The empty world that makes every agent of a restart-mode world restart its workers;
     ``lost`` names the workers whose loss caused it."""
-    ready = {f"{n.node}/{w.local_id}" for n in nodes for w in n.ready_workers()
-             if n.departing is None}
-    return WorldRecord(current.epoch + 1, (), current.store, "restart",
-                       lost=tuple(w for w in current.ranks() if w not in ready))
+    ready = {f"{n.node}/{w.local_id}" for n in nodes for w in n.ready_workers()}
+    leaving = {n.node for n in nodes if n.departing is not None}
+    departed = tuple(w for w in current.ranks() if w.split("/")[0] in leaving)
+    return WorldRecord(current.epoch + 1, (), current.store, "restart", departed=departed,
+                       lost=tuple(w for w in current.ranks()
+                                  if w not in ready and w not in departed))
 
 
 def _without_workers(nodes: Sequence[NodeRecord], evicted: Sequence[str]) -> list[NodeRecord]:

@@ -18,8 +18,16 @@ __all__ = ["Change", "classify", "common_failure", "laggards", "next_world"]
 
 def _candidates(nodes: Sequence[NodeRecord], current: WorldRecord | None,
                 max_nodes: int) -> list[NodeRecord]:
-    """Nodes that can train now, in rank order: survivors keep theirs, joiners follow."""
-    usable = [n for n in nodes if n.departing is None and n.ready_workers()]
+    """Nodes that can train now, in rank order: survivors keep theirs, joiners follow.
+
+    A departing node leaves an in-place world at once (its workers leave at a step
+    boundary). A restart-mode world keeps it while its workers run: they are draining (a
+    final checkpoint needs every rank), and it goes when they stop.
+    """
+    draining = (set(current.nodes()) if current is not None and current.mode == "restart"
+                else set())
+    usable = [n for n in nodes
+              if n.ready_workers() and (n.departing is None or n.node in draining)]
     order = {node: index for index, node in enumerate(current.nodes())} if current else {}
     usable.sort(key=lambda n: (order.get(n.node, len(order)), n.create_revision, n.node))
     return usable[:max_nodes]

@@ -28,6 +28,8 @@ class MemberStatus:
     node_id: str
     host: str
     addr: str
+    pid: int
+    """The node agent's process id."""
     group_rank: int
     """The node's rank in the current world (``-1``: waiting, not in it)."""
     workers: int
@@ -97,7 +99,7 @@ def read_job_status(client: EtcdClient, job_id: str, *,
         [(k.key, k.value, k.create_revision) for key, k in items.items()
          if key.startswith(run.nodes)], on_error=lambda exc: logger.warning("%s", exc))
     members = [
-        MemberStatus(node_id=n.node, host=n.host, addr=n.addr,
+        MemberStatus(node_id=n.node, host=n.host, addr=n.addr, pid=n.agent_pid,
                      group_rank=world.node_rank(n.node) if world else -1,
                      workers=len(n.workers), ready=len(n.ready_workers()),
                      restarts=n.restarts, metrics_port=n.metrics_port,
