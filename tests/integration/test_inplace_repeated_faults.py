@@ -67,7 +67,7 @@ STEP_TIME = 0.05
 TTL = 3
 BUILD_TIMEOUT = 4.0
 WAIT = 60.0
-_ABANDONED = "step abandoned"
+_ABANDONED = re.compile(r"step \d+ abandoned \(")
 MAX_COMMIT_LAG = INTERVAL  # ElasticLoop's default
 
 
@@ -106,7 +106,7 @@ class Faults:
         return found[0]
 
     def abandoned(self) -> int:
-        return sum(a.output().count(_ABANDONED) for a in self.cluster.agents)
+        return sum(len(_ABANDONED.findall(a.output())) for a in self.cluster.agents)
 
     def placed(self, pid: int) -> bool:
         """Whether worker ``pid`` has adopted or proposed a world that includes it."""
