@@ -10,107 +10,11 @@ check, delete_key, num_keys, multi_get/multi_set, PrefixStore); a subclass provi
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
 import pytest
 from torch.distributed import DistStoreError, PrefixStore
-from torch.distributed.elastic.rendezvous import RendezvousStateError
-
-
-class RendezvousBackendContract:
-    """What every ``RendezvousBackend`` must do (torch's contract, plus our envelope)."""
-
-    @pytest.fixture
-    def backend(self) -> Any:
-        raise NotImplementedError
-
-    @pytest.fixture
-    def corrupt_state(self, backend: Any) -> Callable[[], None]:
-        raise NotImplementedError
-
-    def test_get_state_returns_backend_state(self, backend: Any) -> None:
-        backend.set_state(b"x")
-        result = backend.get_state()
-        assert result is not None
-        state, token = result
-        assert state == b"x"
-        assert token is not None
-
-    def test_get_state_returns_none_if_backend_state_does_not_exist(self, backend: Any) -> None:
-        assert backend.get_state() is None
-
-    def test_get_state_raises_a_one_sentence_error_if_backend_state_is_corrupt(
-        self, backend: Any, corrupt_state: Callable[[], None]
-    ) -> None:
-        corrupt_state()
-        with pytest.raises(RendezvousStateError,
-                           match=r"^The rendezvous state under etcd key \S+ is corrupt \(.*\); "
-                                 r"delete the key or use a new --job-id\.$"):
-            backend.get_state()
-
-    def test_set_state_sets_backend_state_if_it_does_not_exist(self, backend: Any) -> None:
-        state, token, has_set = backend.set_state(b"x")
-        assert (state, has_set) == (b"x", True)
-        assert token is not None
-
-    def test_set_state_sets_backend_state_if_token_is_current(self, backend: Any) -> None:
-        _, token1, has_set1 = backend.set_state(b"x")
-        state2, token2, has_set2 = backend.set_state(b"y", token1)
-        assert state2 == b"y"
-        assert token1 != token2
-        assert has_set1 and has_set2
-
-    def test_set_state_returns_current_backend_state_if_token_is_old(self, backend: Any) -> None:
-        _, token1, _ = backend.set_state(b"x")
-        state2, token2, _ = backend.set_state(b"y", token1)
-        state3, token3, has_set = backend.set_state(b"z", token1)
-        assert (state3, token3, has_set) == (state2, token2, False)
-        assert backend.get_state() == (b"y", token2)
-
-    def test_set_state_returns_current_backend_state_if_token_is_none(self, backend: Any) -> None:
-        state1, token1, _ = backend.set_state(b"x")
-        state2, token2, has_set = backend.set_state(b"y")
-        assert (state2, token2, has_set) == (state1, token1, False)
-
-    @pytest.mark.parametrize("token", ["invalid", 1.5, True, b"7"])
-    def test_set_state_returns_current_backend_state_if_token_is_invalid(
-        self, backend: Any, token: object
-    ) -> None:
-        state1, token1, _ = backend.set_state(b"x")
-        state2, token2, has_set = backend.set_state(b"y", token=token)
-        assert (state2, token2, has_set) == (state1, token1, False)
-        assert backend.get_state() == (b"x", token1)
-
-    def test_set_state_with_a_token_but_no_state_returns_none(self, backend: Any) -> None:
-        assert backend.set_state(b"x", 12345) is None
-
-    def test_only_one_of_many_concurrent_writers_with_the_same_token_wins(
-        self, backend: Any
-    ) -> None:
-        _, token, _ = backend.set_state(b"base")
-        results: list[tuple[bytes, Any, bool]] = []
-        lock = threading.Lock()
-
-        def write(i: int) -> None:
-            result = backend.set_state(f"w{i}".encode(), token)
-            with lock:
-                results.append(result)
-
-        threads = [threading.Thread(target=write, args=(i,)) for i in range(8)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(30)
-        winners = [r for r in results if r[2]]
-        assert len(results) == 8 and len(winners) == 1
-        final = backend.get_state()
-        assert final == (winners[0][0], winners[0][1])
-        assert all(r[0] == final[0] for r in results if not r[2] and r[1] == final[1])
-
-    def test_backend_name_is_the_registered_name(self, backend: Any) -> None:
-        assert backend.name == "etcd-v3"
 
 
 class StoreContract:

@@ -1,4 +1,5 @@
-"""The etcd client, rendezvous backend and store against a real etcd server on loopback."""
+"""The etcd client and store against a real etcd server on loopback (the membership protocol
+has its own: test_rdzv_protocol.py)."""
 
 from __future__ import annotations
 
@@ -11,11 +12,9 @@ from typing import Any
 
 import pytest
 from torch.distributed import DistStoreError, PrefixStore
-from torch.distributed.elastic.rendezvous import RendezvousStateError
 
 from elastic.errors import ConfigError, EtcdUnavailableError
 from elastic.etcd import EtcdClient, EtcdConfig, Lease, parse_endpoints
-from elastic.rendezvous import STATE_MAGIC, EtcdV3RendezvousBackend
 from elastic.store import EtcdV3Store
 from launch.etcd_server import EmbeddedEtcd, EtcdBinaryNotFoundError, find_etcd_binary
 
@@ -32,47 +31,6 @@ def _client(endpoint: str, deadline: float = 5.0) -> EtcdClient:
 @pytest.fixture
 def client(etcd_server: Any) -> EtcdClient:
     return _client(etcd_server.endpoint)
-
-
-@pytest.fixture
-def backend(client: EtcdClient, etcd_prefix: str) -> Any:
-    return EtcdV3RendezvousBackend(client, "job", key_prefix=etcd_prefix)
-
-
-def test_get_state_returns_none_when_no_state_exists(backend: Any) -> None:
-    assert backend.get_state() is None
-
-
-def test_set_state_with_no_token_creates_the_state_once(backend: Any) -> None:
-    state, token, has_set = backend.set_state(b"first")
-    assert (state, has_set) == (b"first", True)
-    state2, token2, has_set2 = backend.set_state(b"second")
-    assert (state2, token2, has_set2) == (b"first", token, False)
-
-
-def test_set_state_with_a_stale_token_returns_the_current_state(backend: Any) -> None:
-    _, token, _ = backend.set_state(b"a")
-    _, newer, has_set = backend.set_state(b"b", token)
-    assert has_set and newer != token
-    state, current, has_set = backend.set_state(b"c", token)
-    assert (state, current, has_set) == (b"b", newer, False)
-    assert backend.get_state() == (b"b", newer)
-
-
-def test_set_state_with_an_invalid_token_never_writes(backend: Any) -> None:
-    backend.set_state(b"a")
-    state, _, has_set = backend.set_state(b"evil", "not-a-revision")
-    assert (state, has_set) == (b"a", False)
-
-
-def test_corrupt_state_bytes_raise_a_one_sentence_error(
-    backend: Any, client: EtcdClient
-) -> None:
-    client.put(backend.key, b"garbage")
-    with pytest.raises(RendezvousStateError, match=r"^The rendezvous state under etcd key .* is "
-                       r"corrupt .*; delete the key or use a new --job-id\.$"):
-        backend.get_state()
-    assert not STATE_MAGIC.startswith(b"garbage")
 
 
 def test_store_blocks_until_a_key_is_set_and_times_out_otherwise(
