@@ -68,3 +68,14 @@ INPLACE_BUILD_TIMEOUT: Final = "ELASTIC_INPLACE_BUILD_TIMEOUT"
 INPLACE_MARKER: Final = "ELASTIC_INPLACE_MARKER"
 """A file an in-place worker creates once it joined a world: tells its agent, without a network
 call, that the job's script runs in place (``--elastic-mode auto``)."""
+
+TELEMETRY_SOCKET: Final = "ELASTIC_TELEMETRY_SOCKET"
+"""Path of the node agent's Unix datagram socket (set by the agent for its workers): a worker's
+event log sends its records there, without blocking, instead of writing them itself
+(:mod:`elastic.telemetry`)."""
+
+METRICS_PORT: Final = "ELASTIC_METRICS_PORT"
+"""Port of the agent's Prometheus endpoint ``/metrics`` (``--metrics-port``; off when unset)."""
+
+METRICS_HOST: Final = "ELASTIC_METRICS_HOST"
+"""Address the agent's Prometheus endpoint binds (``--metrics-host``; default every interface)."""
