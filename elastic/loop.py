@@ -42,10 +42,11 @@ Guarantees (restart-based path):
   the loader's workers ignore SIGTERM (wrapping its ``worker_init_fn``); they still stop when
   the main process shuts the loader down, and die with it on SIGKILL.
 
-Under ``elastic-run --events-dir`` global rank 0 appends ``step`` (compute time of each step),
-``checkpoint`` (time the training thread was blocked by a save or a commit wait) and
-``restored`` (time spent loading the checkpoint) events to the job event log
-(:mod:`elastic.eventlog`), from which ``elastic-run goodput`` splits the wall time.
+Every rank records ``step`` (compute time of each step), ``checkpoint`` (time the training
+thread was blocked by a save or a commit wait) and ``restored`` (time spent loading the
+checkpoint) events (:mod:`elastic.eventlog`): each reaches its node agent's metrics, and global
+rank 0's reach the job event log (``--events-dir``), from which ``elastic-run goodput`` splits
+the wall time.
 """
 
 from __future__ import annotations
@@ -224,8 +225,8 @@ class ElasticLoop:
         self._abandoned = False
         self._batches_generation = ctx.generation if ctx is not None else 0
         self._data_parallel: dict[int, tuple[int, torch.nn.Module, torch.nn.Module]] = {}
-        # One writer per job is enough for the goodput report (the steps are collective):
-        # whoever is global rank 0 now (in place, rank 0 may change with the world).
+        # One copy per job is enough for the goodput report (the steps are collective):
+        # whoever is global rank 0 now writes it (in place, rank 0 may change with the world).
         self._events = EventLog.from_env()
         self._round = ctx.round if ctx is not None else None
         self._step_started: float | None = None
@@ -534,9 +535,9 @@ class ElasticLoop:
             )
 
     def _record(self, event: str, **fields: Any) -> None:
-        """Appends an event to the job's event log if this process is global rank 0 now."""
-        if self.ctx is None or self.ctx.rank == 0:
-            self._events.record(event, **fields)
+        """Records an event: every rank's reaches its agent's metrics; the job's log keeps
+        global rank 0's (durable), one copy per step."""
+        self._events.record(event, durable=self.ctx is None or self.ctx.rank == 0, **fields)
 
     def _agree_on_drain(self) -> bool:
         # One all-reduce agrees on a drain and, in place, on a membership change, so that

@@ -266,6 +266,7 @@ class NodeAgent(LocalElasticAgent):
         # every time, so once seen it stays so); they say so by creating the marker file.
         self._workers_joined_inplace = inplace is not None and not inplace.auto
         self._inplace_marker = ""
+        self._workers_started_before = False  # [metrics hook]
         if inplace is not None and inplace.auto:
             marker_dir = tempfile.mkdtemp(prefix="elastic-inplace-")
             atexit.register(shutil.rmtree, marker_dir, ignore_errors=True)
@@ -349,6 +350,10 @@ class NodeAgent(LocalElasticAgent):
             self._remaining_restarts,
         )
         pids: dict[int, Any] = super()._start_workers(worker_group)
+        # [metrics hook] elastic_run_worker_restarts_total counts the starts after the first.
+        self._events.record("workers_started", round=round_, workers=len(pids),
+                            restart=self._workers_started_before)
+        self._workers_started_before = True
         return pids
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
@@ -561,6 +566,7 @@ class NodeAgent(LocalElasticAgent):
                             exit_codes={}, drain_s=None, forced=True)
         self._events.record("agent_exited", round=self._membership.round(),
                             outcome="departed", exit_code=0)
+        self._events.close(timeout=1.0)  # [metrics hook] a URL log puts its last records
         logging.shutdown()
         # The workers die with the agent (worker_guard's parent-death signal).
         os._exit(0)

@@ -232,6 +232,13 @@ def run(args: argparse.Namespace) -> int:
         drain_timeout=timedelta(seconds=args.preemption_drain_timeout),
         inplace=inplace,
     )
+    # [metrics hook] The workers report to this agent over a local socket; with
+    # --metrics-port the node's Prometheus series are one more sink of its event log.
+    from launch.telemetry import NodeTelemetry
+
+    telemetry = NodeTelemetry(events, metrics_port=args.metrics_port,
+                              metrics_host=args.metrics_host).start()
+    os.environ.update(telemetry.worker_env)  # torch copies it into every worker
     events.record(
         "agent_started", min_nodes=config.min_nodes, max_nodes=config.max_nodes,
         nproc_per_node=config.nproc_per_node, max_restarts=config.max_restarts,
@@ -300,6 +307,8 @@ def run(args: argparse.Namespace) -> int:
     finally:
         monitor.stop()
         events.record("agent_exited", round=agent.round, outcome=outcome, exit_code=code)
+        telemetry.close()  # [metrics hook]
+        events.close()  # [metrics hook] a URL log puts its last records (bounded wait)
         if args.events_dir:
             from launch.goodput import write_summary
 
