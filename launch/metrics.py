@@ -28,6 +28,7 @@ elastic_run_checkpoint_durable_seconds     histogram ``checkpoint_committed`` du
 elastic_run_checkpoint_load_seconds        histogram ``restored`` duration_s (when found)
 elastic_run_checkpoint_failures_total      counter   ``checkpoint_failed``
 elastic_run_checkpoint_last_committed_step gauge     ``checkpoint_committed``/``restored`` step
+                                                     (-1 until one is seen)
 elastic_run_worker_restarts_total          counter   ``workers_started`` workers (restarts)
 elastic_run_worker_failures_total          counter   ``worker_failed``, by ``cause``
 elastic_run_goodput_ratio                  gauge     productive step time / time since the
@@ -181,7 +182,9 @@ class NodeMetrics:
         self.ckpt_failures = counter("checkpoint_failures", "Saves that did not commit.").labels(
             *labels)
         self.last_committed = gauge("checkpoint_last_committed_step",
-                                    "Step of the newest committed checkpoint.").labels(*labels)
+                                    "Step of the newest committed checkpoint (-1: none "
+                                    "yet).").labels(*labels)
+        self.last_committed.set(-1)
         self.restarts = counter("worker_restarts", "Worker processes this node started again "
                                 "(after its first start).").labels(*labels)
         failures = counter("worker_failures", "Worker failures seen by this node's agent, by "
