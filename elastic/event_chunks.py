@@ -307,6 +307,7 @@ def read_texts(location: str | os.PathLike[str],
     """
     fs, root = filesystem(os.fspath(location), storage_options)
     for attempt in range(3):
+        fs.invalidate_cache()  # fsspec caches listings per instance: a log keeps growing
         listing = _select(fs, root)
         paths = listing.legacy + listing.chunked
         if not paths:
