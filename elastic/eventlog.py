@@ -16,7 +16,9 @@ decides where its records go:
 * under ``elastic-run`` a worker sends its records to its node's agent over a Unix datagram
   socket (:mod:`elastic.telemetry`) and never writes the log itself; the agent writes the
   *durable* ones (global rank 0's, one copy per step) to the job log and feeds every one to
-  the node's metrics (:mod:`launch.metrics`), which sees the steps of each of its workers;
+  the node's metrics (:mod:`launch.metrics`). Since every worker of a node records the same
+  collective facts, only the node's local rank 0 sends its live-only records (the others send
+  their durable ones only), so an agent gets one record per step whatever its worker count;
 * the agent's metrics registry is one more sink.
 
 :func:`read_events` reads both layouts, from a local directory or a URL.
@@ -134,7 +136,8 @@ class FileSink:
     """Appends durable records as JSON lines to this process's own file under ``directory``.
 
     Each record is written and flushed as one line, so a reader never sees half of one (it may
-    see a partial last line of a file still being written, and skips it).
+    see a partial last line of a file still being written, and skips it). The file stays open
+    between records (an agent writes a record per training step).
     """
 
     def __init__(self, directory: str | os.PathLike[str], *, job: str, source: str) -> None:
@@ -142,6 +145,7 @@ class FileSink:
                         (job, source, socket.gethostname(), str(os.getpid())))
         self.path = Path(os.fspath(directory).removeprefix("file://")) / f"{name}{SUFFIX}"
         self._lock = threading.Lock()
+        self._file: Any = None
         self._failed = False
 
     @property
@@ -153,12 +157,14 @@ class FileSink:
         """Appends ``record`` if durable (never raises)."""
         if not durable or self._failed:
             return
-        line = json.dumps(record, default=str)
+        line = json.dumps(record, default=str) + "\n"
         with self._lock:
             try:
-                self.path.parent.mkdir(parents=True, exist_ok=True)
-                with self.path.open("a", encoding="utf-8") as f:
-                    f.write(line + "\n")
+                if self._file is None:
+                    self.path.parent.mkdir(parents=True, exist_ok=True)
+                    self._file = self.path.open("a", encoding="utf-8")
+                self._file.write(line)
+                self._file.flush()
             except OSError as exc:
                 # An events directory must never take training down: report once, go on.
                 self._failed = True
@@ -166,11 +172,18 @@ class FileSink:
                                "process.", self.path, exc)
 
     def flush(self, timeout: float) -> bool:
-        """Nothing to do: every line is written when recorded."""
+        """Nothing to do: every line is flushed when recorded."""
         return not self._failed
 
     def close(self, timeout: float) -> None:
-        """Nothing to release."""
+        """Closes the file."""
+        with self._lock:
+            if self._file is not None:
+                try:
+                    self._file.close()
+                except OSError:
+                    pass
+                self._file = None
 
 
 def open_sink(location: str | os.PathLike[str], *, job: str, source: str,
@@ -234,7 +247,10 @@ class EventLog:
         if socket_path:
             from elastic.telemetry import TelemetrySink, shared_sender
 
-            log.add_sink(TelemetrySink(shared_sender(socket_path)))
+            # Every worker of a node reports the same collective facts (steps, saves): one
+            # reporter per node is enough for the node's metrics; rank 0's go to the job log.
+            reporter = os.environ.get("LOCAL_RANK", "0") == "0"
+            log.add_sink(TelemetrySink(shared_sender(socket_path), live=reporter))
         elif directory and is_url(directory):
             sink = _shared_chunk_writer(directory, log.job)
             if sink is not None:

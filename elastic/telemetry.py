@@ -208,10 +208,17 @@ class TelemetrySender:
 
 
 class TelemetrySink:
-    """An event sink (:class:`elastic.eventlog.EventSink`) that sends records to the agent."""
+    """An event sink (:class:`elastic.eventlog.EventSink`) that sends records to the agent.
 
-    def __init__(self, sender: TelemetrySender) -> None:
+    Args:
+        sender: The process's sender.
+        live: Also send records that are not durable (live metrics only); False for every
+            worker of a node but one, whose records would repeat the reporter's.
+    """
+
+    def __init__(self, sender: TelemetrySender, *, live: bool = True) -> None:
         self.sender = sender
+        self.live = live
 
     @property
     def enabled(self) -> bool:
@@ -220,7 +227,8 @@ class TelemetrySink:
 
     def write(self, record: Mapping[str, Any], durable: bool) -> None:
         """Sends ``record`` (never blocks)."""
-        self.sender.send(record, durable=durable)
+        if durable or self.live:
+            self.sender.send(record, durable=durable)
 
     def flush(self, timeout: float) -> bool:
         """Tries to send the backlog within ``timeout`` s."""

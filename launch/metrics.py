@@ -196,6 +196,7 @@ class NodeMetrics:
                         "time since the agent started.")
         goodput.labels(*labels).set_function(self._goodput)
         self._events = counter("events", "Event records seen, by event.", "event")
+        self._event_counts: dict[str, Any] = {}
         self._labels = labels
         self._drops = _DropCollector(labels)
         reg.register(self._drops)
@@ -287,7 +288,13 @@ class NodeMetrics:
 
     def _observe(self, record: Mapping[str, Any]) -> None:
         event = str(record.get("event"))
-        self._events.labels(*self._labels, event if event in KNOWN_EVENTS else "other").inc()
+        counted = self._event_counts.get(event)
+        if counted is None:
+            counted = self._events.labels(*self._labels,
+                                          event if event in KNOWN_EVENTS else "other")
+            if event in KNOWN_EVENTS:
+                self._event_counts[event] = counted
+        counted.inc()
         when = _number(record.get("time"))
         label = record.get("round")
         agent = record.get("source") == "agent"
