@@ -79,6 +79,7 @@ Writing never raises: an unwritable directory is logged once and the job goes on
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
@@ -179,10 +180,8 @@ class FileSink:
         """Closes the file."""
         with self._lock:
             if self._file is not None:
-                try:
+                with contextlib.suppress(OSError):
                     self._file.close()
-                except OSError:
-                    pass
                 self._file = None
 
 

@@ -125,7 +125,7 @@ def test_the_dashboard_is_a_loadable_grafana_dashboard() -> None:
     assert len(ids) == len(set(ids)), "panel ids must be unique"
     for panel in panels:
         grid = panel["gridPos"]
-        assert 0 <= grid["x"] and grid["x"] + grid["w"] <= 24, panel["title"]
+        assert grid["x"] >= 0 and grid["x"] + grid["w"] <= 24, panel["title"]
         if panel["type"] == "row":
             continue
         assert panel["type"] in {"stat", "timeseries"}
