@@ -11,8 +11,8 @@ where the baseline is torchrun, c10d, DCP ``async_save``, the copy or disk floor
 puts, and the goals are those set in the issues (checkpoint blocking <= 1.5x the copy floor,
 durable <= 1.3x the disk floor and <= 1.3x raw s3fs puts; goodput >= 0.95 and above
 torchrun's; live metrics cost under 1 % of step time). Below it come each benchmark's own
-detailed table, then the command line, date, commit and machine. A benchmark that fails or times out is shown as failed (with its log) and
-the others still run.
+detailed table, then the command line, date, commit and machine. A benchmark that fails or
+times out is shown as failed (with its log) and the others still run.
 
 Two presets: the default runs the settings each script's docstring gives for the published
 figures (about an hour and a half on 2 cores); ``--quick`` runs small settings for a smoke
