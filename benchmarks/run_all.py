@@ -325,7 +325,9 @@ def metrics_rows(data: dict[str, Any], stdout: str = "") -> list[Row]:
     note = (f"{len(data['pair_ratios'])} pairs of {data['steps_per_block']} steps, "
             f"{data['on_median_s'] * 1e3:.1f} ms steps")
     rows = []
-    for field, what in (("ratio", "step time, metrics on / off (median of paired blocks)"),
+    for field, what in (("cost_ratio", "step time + the time metrics cost (recording, "
+                         "agent CPU), over step time off"),
+                        ("ratio", "step time, metrics on / off (median of paired blocks)"),
                         ("cpu_ratio", "CPU per step incl. the agent's, metrics on / off")):
         ratio = data[field]
         rows.append(Row("metrics", what, ratio, 1.0, "metrics off, same run", unit="",
