@@ -175,6 +175,13 @@ def run(args: argparse.Namespace) -> int:
     if args.events_dir:
         os.environ[env.EVENTS_DIR] = args.events_dir  # the workers log their steps there too
     events = EventLog(args.events_dir, job=config.run_id, source="agent")
+    # [metrics hook] The workers report to this agent over a local socket; with
+    # --metrics-port the node's Prometheus series are one more sink of its event log.
+    from launch.telemetry import NodeTelemetry
+
+    telemetry = NodeTelemetry(events, metrics_port=args.metrics_port,
+                              metrics_host=args.metrics_host).start()
+    os.environ.update(telemetry.worker_env)  # torch copies it into every worker
 
     params = RendezvousParameters(
         backend=config.rdzv_backend,
@@ -232,13 +239,6 @@ def run(args: argparse.Namespace) -> int:
         drain_timeout=timedelta(seconds=args.preemption_drain_timeout),
         inplace=inplace,
     )
-    # [metrics hook] The workers report to this agent over a local socket; with
-    # --metrics-port the node's Prometheus series are one more sink of its event log.
-    from launch.telemetry import NodeTelemetry
-
-    telemetry = NodeTelemetry(events, metrics_port=args.metrics_port,
-                              metrics_host=args.metrics_host).start()
-    os.environ.update(telemetry.worker_env)  # torch copies it into every worker
     events.record(
         "agent_started", min_nodes=config.min_nodes, max_nodes=config.max_nodes,
         nproc_per_node=config.nproc_per_node, max_restarts=config.max_restarts,

@@ -187,3 +187,34 @@ def test_a_port_in_use_is_bad_input_naming_the_port() -> None:
         port = busy.getsockname()[1]
         with pytest.raises(ConfigError, match=rf"--metrics-port \({port}\)"):
             NodeMetrics(job=JOB, node=NODE).serve(port, "127.0.0.1")
+
+
+def test_an_agent_logs_rank_zeros_records_and_counts_its_reporters_steps(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from elastic import env
+    from elastic.eventlog import EventLog, read_events
+    from launch.telemetry import NodeTelemetry
+
+    events = EventLog(tmp_path, job=JOB, source="agent", node=NODE)
+    telemetry = NodeTelemetry(events, metrics_port=0, metrics_host="127.0.0.1").start()
+    try:
+        monkeypatch.setenv(env.RUN_ID, JOB)
+        for name, value in telemetry.worker_env.items():
+            monkeypatch.setenv(name, value)
+        monkeypatch.setenv("LOCAL_RANK", "1")  # a second worker of the node, global rank 1
+        other = EventLog.from_env()
+        monkeypatch.setenv("LOCAL_RANK", "0")  # the node's reporter, global rank 0
+        reporter = EventLog.from_env()
+        for step in range(5):
+            reporter.record("step", round=0, step=step, duration_s=0.01, world=2)
+            other.record("step", round=0, step=step, duration_s=0.01, world=2, durable=False)
+    finally:
+        telemetry.close()  # takes what is still queued on the socket
+        events.close()
+    assert telemetry.metrics is not None and telemetry.receiver is not None
+    got = _read(telemetry.metrics)
+    assert got[("elastic_run_steps_total", ())] == 5
+    assert telemetry.receiver.received == 5  # the other worker sent nothing to repeat
+    logged = [e["step"] for e in read_events(tmp_path) if e["event"] == "step"]
+    assert logged == [0, 1, 2, 3, 4]
