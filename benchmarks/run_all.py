@@ -10,9 +10,9 @@ it builds ONE summary table, a row per headline figure::
 where the baseline is torchrun, c10d, DCP ``async_save``, the copy or disk floor, or raw s3fs
 puts, and the goals are those set in the issues (checkpoint blocking <= 1.5x the copy floor,
 durable <= 1.3x the disk floor and <= 1.3x raw s3fs puts; goodput >= 0.95 and above
-torchrun's). Below it come each benchmark's own detailed table, then the command line, date,
-commit and machine. A benchmark that fails or times out is shown as failed (with its log) and
-the others still run.
+torchrun's; live metrics cost under 1 % of step time). Below it come each benchmark's own
+detailed table, then the command line, date, commit and machine. A benchmark that fails or
+times out is shown as failed (with its log) and the others still run.
 
 Two presets: the default runs the settings each script's docstring gives for the published
 figures (about an hour and a half on 2 cores); ``--quick`` runs small settings for a smoke
@@ -61,6 +61,7 @@ MiB = 1 << 20
 CKPT_BLOCKING_GOAL = 1.5  # ours blocking / copy floor
 CKPT_DURABLE_GOAL = 1.3  # ours durable / disk floor, and ours on S3 / raw s3fs puts
 GOODPUT_GOAL = 0.95  # and above torchrun's
+METRICS_OVERHEAD_GOAL = 1.01  # step time with live metrics on / off
 
 # Names the scripts write into their JSON (tests check they still occur in the scripts).
 CKPT_COPY_FLOOR = "floor: copy into reused host memory"
@@ -317,6 +318,24 @@ def goodput_rows(runs: list[dict[str, Any]], stdout: str = "") -> list[Row]:
     return rows
 
 
+def metrics_rows(data: dict[str, Any], stdout: str = "") -> list[Row]:
+    """Rows of ``metrics_overhead.py --json``: step time and CPU per step with telemetry on,
+    over the same with it off (medians of paired blocks), against the goal of 1 %."""
+    del stdout
+    note = (f"{len(data['pair_ratios'])} pairs of {data['steps_per_block']} steps, "
+            f"{data['on_median_s'] * 1e3:.1f} ms steps")
+    rows = []
+    for field, what in (("cost_ratio", "step time + the time metrics cost (recording, "
+                         "agent CPU), over step time off"),
+                        ("ratio", "step time, metrics on / off (median of paired blocks)"),
+                        ("cpu_ratio", "CPU per step incl. the agent's, metrics on / off")):
+        ratio = data[field]
+        rows.append(Row("metrics", what, ratio, 1.0, "metrics off, same run", unit="",
+                        goal=f"< {METRICS_OVERHEAD_GOAL:g}x", met=ratio < METRICS_OVERHEAD_GOAL,
+                        ours_note=note))
+    return rows
+
+
 def failed_row(benchmark: str, why: str) -> Row:
     """The row of a benchmark that gave no figures."""
     return Row(benchmark, "", failed=why)
@@ -413,6 +432,8 @@ BENCHES: tuple[Bench, ...] = (
           checkpoint_rows),
     Bench("goodput", "goodput_under_faults.py", ("--duration", "300", "--period", "30"),
           ("--duration", "40", "--period", "15", "--calm", "10"), 3600, 900, goodput_rows),
+    Bench("metrics", "metrics_overhead.py", ("--repeats", "30", "--steps-per-block", "100"),
+          ("--repeats", "3", "--steps-per-block", "30"), 1800, 300, metrics_rows),
 )
 
 

@@ -7,6 +7,10 @@ directory ``step-{step:010d}_r{round:04d}`` through :class:`~checkpointing.shard
 durable; the coordinator gathers each rank's sizes and CRC32s, checks them against a listing,
 writes ``COMMIT.json`` last and then ``latest.json``, and applies retention. A directory without
 a valid commit record is never loaded.
+
+Each rank records ``checkpoint_committed`` (with the save's durable time) or
+``checkpoint_failed`` in the job event log (:mod:`elastic.eventlog`; the group's rank 0's are
+kept in the log, every rank's reach its node agent's metrics).
 """
 
 from __future__ import annotations
@@ -55,6 +59,7 @@ from checkpointing.retention import plan_retention
 from checkpointing.shard_io import ShardWriter
 from checkpointing.staging import HostStager
 from checkpointing.storage import STORAGE_RETRY_DEADLINE_S, Storage, is_transient
+from elastic.eventlog import EventLog
 
 logger = logging.getLogger(__name__)
 
@@ -215,6 +220,9 @@ class CheckpointManager:
         self.last_blocked_s = 0.0
         #: Seconds the last save spent staging on the calling thread.
         self.last_stage_s = 0.0
+        # checkpoint_committed / checkpoint_failed: every rank's reach its agent's metrics,
+        # the group's rank 0's reach the job event log (elastic.eventlog).
+        self._events = EventLog.from_env()
 
     # ----------------------------------------------------------------------------- save path
     def rebind(self, process_group: dist.ProcessGroup, round: int) -> None:
@@ -306,8 +314,14 @@ class CheckpointManager:
                     )
                     err.__cause__ = exc
                 committed.set_exception(err)
+                self._events.record("checkpoint_failed", round=self.round, step=step,
+                                    error=str(err).splitlines()[0][:300],
+                                    durable=self._rank == 0)
                 return
             committed.set_result(info)
+            self._events.record("checkpoint_committed", round=self.round, step=step,
+                                durable_s=round(time.monotonic() - t0, 4), world=self._world,
+                                durable=self._rank == 0)
             if self._rank == 0:
                 self._apply_retention(in_flight=None)
 

@@ -91,3 +91,13 @@ that it waits for a peer (the progress rule; ``--hang-timeout``)."""
 
 HANG_FACTOR: Final = "ELASTIC_HANG_FACTOR"
 """In place: the hang threshold is at least this many median step times (``--hang-factor``)."""
+TELEMETRY_SOCKET: Final = "ELASTIC_TELEMETRY_SOCKET"
+"""Path of the node agent's Unix datagram socket (set by the agent for its workers): a worker's
+event log sends its records there, without blocking, instead of writing them itself
+(:mod:`elastic.telemetry`)."""
+
+METRICS_PORT: Final = "ELASTIC_METRICS_PORT"
+"""Port of the agent's Prometheus endpoint ``/metrics`` (``--metrics-port``; off when unset)."""
+
+METRICS_HOST: Final = "ELASTIC_METRICS_HOST"
+"""Address the agent's Prometheus endpoint binds (``--metrics-host``; default every interface)."""

@@ -13,7 +13,10 @@ torch's own ``get_args_parser()``, extended), plus:
   crash budget (:mod:`launch.budget`); ``--etcd-connect-timeout``: see ``--help``;
 * ``--preemption-watch`` (and the metadata URL and drain flags): leave the job on a spot
   preemption notice (see :mod:`launch.departure`);
-* ``--events-dir DIR`` (or ``ELASTIC_EVENTS_DIR``): the job event log (:mod:`elastic.eventlog`);
+* ``--events-dir DIR|URL`` (or ``ELASTIC_EVENTS_DIR``): the job event log (:mod:`elastic.eventlog`),
+  a local directory or any fsspec URL (``s3://...``);
+* ``--metrics-port PORT`` (or ``ELASTIC_METRICS_PORT``) and ``--metrics-host``: serve the node's
+  Prometheus metrics at ``/metrics`` (:mod:`launch.metrics`);
 * ``--elastic-mode auto|inplace|restart`` (or ``ELASTIC_MODE``), ``--inplace-ttl``,
   ``--inplace-build-timeout``, ``--hang-timeout``, ``--hang-factor``: survivors reconfigure in
   place (:mod:`elastic.inplace`) or every worker restarts on a membership change; ``auto``
@@ -194,9 +197,33 @@ def _add_preemption_flags(group: argparse._ArgumentGroup) -> None:
     group.add_argument(
         "--events-dir", dest="events_dir", type=str,
         default=os.environ.get(env.EVENTS_DIR) or None,
-        help=f"Append the job event log (JSON lines) under this directory (env "
-        f"{env.EVENTS_DIR}); read it with '{PROG} goodput DIR'.",
+        help=f"Write the job event log (JSON lines) under this directory or fsspec URL, e.g. "
+        f"s3://bucket/job/events (env {env.EVENTS_DIR}; S3 endpoint and keys from the "
+        f"environment: FSSPEC_S3_ENDPOINT_URL, AWS_*); read it with '{PROG} goodput DIR'.",
     )
+    group.add_argument(
+        "--metrics-port", dest="metrics_port", type=int,
+        default=_env_int(env.METRICS_PORT),
+        help=f"Serve this node's Prometheus metrics at http://HOST:PORT/metrics (env "
+        f"{env.METRICS_PORT}; default: off).",
+    )
+    group.add_argument(
+        "--metrics-host", dest="metrics_host", type=str,
+        default=os.environ.get(env.METRICS_HOST, ""),
+        help=f"Address the metrics endpoint binds (env {env.METRICS_HOST}; default: every "
+        "IPv4 interface; '::' for IPv6).",
+    )
+
+
+def _env_int(name: str) -> int | None:
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise ConfigError(f"{name} ({text!r}) is not a port number; set it to an integer "
+                          "such as 9400, or unset it.") from None
 
 
 def parse_endpoints(text: str) -> list[str]:
@@ -326,6 +353,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         if getattr(args, name) is not None and getattr(args, name) <= 0:
             flag = "--" + name.replace("_", "-")
             raise ConfigError(f"{flag} ({getattr(args, name)}) must be positive.")
+    if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535:
+        raise ConfigError(f"--metrics-port ({args.metrics_port}) must be a port number from 0 "
+                          "to 65535 (0: any free port).")
     from launch.preemption import parse_watch_spec
 
     parse_watch_spec(args.preemption_watch)  # an unknown source is bad input, before etcd

@@ -1,7 +1,8 @@
 """The goodput report of a job, from its event log (:mod:`elastic.eventlog`).
 
 ``elastic-run goodput EVENTS_DIR [--job ID] [--json] [--plot OUT.png]`` (or
-``python -m launch.goodput``) prints, per job found in the directory:
+``python -m launch.goodput``) prints, per job found in the event log (a local directory or an
+fsspec URL such as ``s3://bucket/job/events``, with ``--storage-option k=v``):
 
 * wall time: the first agent's start (its process start, where logged) to the last agent's
   exit;
@@ -48,20 +49,26 @@ import os
 import re
 import sys
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Final, TextIO
 
+from elastic.errors import ConfigError
+from elastic.event_chunks import filesystem, is_url
 from elastic.eventlog import read_events
 
 logger = logging.getLogger(__name__)
 _UNSAFE: Final = re.compile(r"[^A-Za-z0-9_.-]+")
 _REASON_ORDER: Final = ("planned_departure", "node_lost", "worker_failed", "peer_failed",
                         "node_joined", "start")
-_NOTICED: Final = ("worker_failed", "node_lost", "peer_departed", "planned_departure")
+#: Agents' events that notice a membership change (the end of its detection).
+NOTICED: Final = ("worker_failed", "node_lost", "peer_departed", "planned_departure")
 #: Noticed by the workers themselves (in place), before any agent does.
-_NOTICED_BY_WORKERS: Final = ("peer_failed",)
+NOTICED_BY_WORKERS: Final = ("peer_failed",)
+#: Every reason a membership change can be given (``Change.reason``).
+CHANGE_REASONS: Final = ("planned_departure", "node_lost", "worker_failed", "peer_failed",
+                         "node_joined", "node_left", "world_changed")
 #: Parts of the wall time, in the order they are printed and plotted.
 PARTS: Final = ("productive", "recomputed", "checkpoint", "detection", "rendezvous", "restore",
                 "other")
@@ -165,10 +172,12 @@ class Report:
                 "training_goodput": self.training_goodput}
 
 
-def load(directory: str) -> dict[str, list[dict[str, Any]]]:
-    """Events under ``directory`` grouped by job, each list in time order."""
+def load(directory: str, storage_options: Mapping[str, Any] | None = None,
+         ) -> dict[str, list[dict[str, Any]]]:
+    """Events under ``directory`` (a local directory or an fsspec URL) grouped by job, each
+    list in time order."""
     jobs: dict[str, list[dict[str, Any]]] = defaultdict(list)
-    for event in read_events(directory):
+    for event in read_events(directory, storage_options):
         jobs[str(event.get("job", ""))].append(event)
     for events in jobs.values():
         events.sort(key=lambda e: float(e["time"]))
@@ -274,6 +283,63 @@ def build_report(job: str, events: list[dict[str, Any]]) -> Report:
     )
 
 
+@dataclass(frozen=True, slots=True)
+class ChangeSplit:
+    """Why one membership change happened and where its recovery's parts begin."""
+
+    reason: str
+    detected: float
+    """When the change was first noticed (the end of the last step before it when nobody had
+    to notice it: a node joining is announced, not detected)."""
+    began: float
+    """When the last agent round of the change started (``detected`` without one: in place,
+    forming the new world and healing count as restore)."""
+    rounds: int
+    """Agent rounds started during the change."""
+
+
+def split_change(
+    ended: float, resumed: float, noticed: Sequence[tuple[float, str]],
+    starts: Sequence[tuple[float, str]], world_before: int | None, world_after: int | None,
+) -> ChangeSplit:
+    """Splits one membership change's recovery into detection, rendezvous and restore.
+
+    The recovery runs from ``ended`` (the end of the last step before the change) to
+    ``resumed`` (the start of the first step after it): *detection* up to the first event in
+    ``noticed`` within it, *rendezvous* from there to the start of the last agent round within
+    it (in ``starts``), *restore* from there to ``resumed``. Shared by the report and the live
+    metrics (:mod:`launch.metrics`), so that both split a recovery the same way.
+
+    Args:
+        ended: End of the last step before the change (epoch seconds).
+        resumed: Start of the first step after it.
+        noticed: ``(time, event)`` of the agents' :data:`NOTICED` events and the workers'
+            :data:`NOTICED_BY_WORKERS` ones, in time order.
+        starts: ``(time, reason)`` of the agents' ``round_started`` events, in time order.
+        world_before: World size (ranks) before the change, if known.
+        world_after: World size after it, if known.
+    """
+    seen = [(t, kind) for t, kind in noticed if ended <= t <= resumed]
+    # Nothing noticed (a node joining is announced, not detected): no detection time.
+    detected = seen[0][0] if seen else ended
+    rounds_in = [(t, reason) for t, reason in starts if detected <= t <= resumed]
+    # No agent round (in place): forming the new world and healing count as restore.
+    began = max(t for t, _ in rounds_in) if rounds_in else detected
+    # What the agents saw (a lost node, a crash) outranks a round's own label: in place,
+    # a round that admits nobody new can still be labelled node_joined.
+    reasons = [r for _, r in rounds_in if r != "start"] + [
+        {"peer_departed": "planned_departure"}.get(kind, kind) for _, kind in seen]
+    if reasons:
+        reason = min(reasons, key=lambda r: _REASON_ORDER.index(r)
+                     if r in _REASON_ORDER else len(_REASON_ORDER))
+    else:
+        # Seen by the workers first (in place): the world size tells which way it went.
+        size_before, size_after = world_before or 0, world_after or 0
+        reason = ("node_joined" if size_after > size_before else
+                  "node_left" if size_after < size_before else "world_changed")
+    return ChangeSplit(reason=reason, detected=detected, began=began, rounds=len(rounds_in))
+
+
 def _merge(intervals: list[tuple[float, float, str]]) -> list[tuple[float, float, str]]:
     """Sorted intervals with touching ones of the same kind merged (a readable timeline)."""
     out: list[tuple[float, float, str]] = []
@@ -320,7 +386,7 @@ def _split(
             world_of.setdefault(label, s["world"])
     trained = sorted(first_start, key=lambda label: first_start[label])
     noticed = sorted((float(e["time"]), str(e["event"])) for e in
-                     [*_of(agent, *_NOTICED), *_of(events, *_NOTICED_BY_WORKERS)])
+                     [*_of(agent, *NOTICED), *_of(events, *NOTICED_BY_WORKERS)])
     changes: list[Change] = []
     if trained:
         # The start: first agent up to the first round (rendezvous), then to the first step.
@@ -330,35 +396,21 @@ def _split(
         intervals.append((begin - t0, resumed - t0, "restore"))
     for before, after in itertools.pairwise(trained):
         ended, resumed = last_end[before], first_start[after]
-        seen = [(t, kind) for t, kind in noticed if ended <= t <= resumed]
-        # Nothing noticed (a node joining is announced, not detected): no detection time.
-        detected = seen[0][0] if seen else ended
-        rounds_in = [(t, reason) for t, reason in starts if detected <= t <= resumed]
-        # No agent round (in place): forming the new world and healing count as restore.
-        began = max(t for t, _ in rounds_in) if rounds_in else detected
-        # What the agents saw (a lost node, a crash) outranks a round's own label: in place,
-        # a round that admits nobody new can still be labelled node_joined.
-        reasons = [r for _, r in rounds_in if r != "start"] + [
-            {"peer_departed": "planned_departure"}.get(kind, kind) for _, kind in seen]
-        if reasons:
-            reason = min(reasons, key=lambda r: _REASON_ORDER.index(r)
-                         if r in _REASON_ORDER else len(_REASON_ORDER))
-        else:
-            # Seen by the workers first (in place): the world size tells which way it went.
-            size_before, size_after = world_of.get(before, 0), world_of.get(after, 0)
-            reason = ("node_joined" if size_after > size_before else
-                      "node_left" if size_after < size_before else "world_changed")
-        parts = (("detection", ended, detected), ("rendezvous", detected, began),
-                 ("restore", began, resumed))
+        split = split_change(ended, resumed, noticed, starts, world_of.get(before),
+                             world_of.get(after))
+        parts = (("detection", ended, split.detected), ("rendezvous", split.detected,
+                                                        split.began),
+                 ("restore", split.began, resumed))
         intervals.extend((a - t0, b - t0, kind) for kind, a, b in parts)
         changes.append(Change(
-            round=after if isinstance(after, int) else -1, reason=reason,
+            round=after if isinstance(after, int) else -1, reason=split.reason,
             at=round(ended - t0, 3),
             world_before=world_of.get(before), world_after=world_of.get(after),
-            detection_s=round(detected - ended, 3), rendezvous_s=round(began - detected, 3),
-            restore_s=round(resumed - began, 3),
+            detection_s=round(split.detected - ended, 3),
+            rendezvous_s=round(split.began - split.detected, 3),
+            restore_s=round(resumed - split.began, 3),
             load_s=loads.get(after), recovery_s=round(resumed - ended, 3),
-            rounds=len(rounds_in),
+            rounds=split.rounds,
         ))
     breakdown = dict.fromkeys(PARTS, 0.0)
     for start, end, kind in intervals:
@@ -422,22 +474,34 @@ def format_report(report: Report) -> str:
     return "\n".join(lines)
 
 
-def write_summary(events_dir: str, job: str, *, out: TextIO | None = None) -> Report | None:
+def write_summary(events_dir: str, job: str, *, out: TextIO | None = None,
+                  storage_options: Mapping[str, Any] | None = None) -> Report | None:
     """At an agent's exit: the job's report as seen so far, to ``DIR/{job}.goodput.json``
     (replaced atomically; the last agent to exit writes the complete one) and as text to
     ``out`` (stderr by default). Never raises: the job's outcome is decided already.
+
+    ``events_dir`` may be a URL; then the agent's own records must be flushed first
+    (:meth:`elastic.eventlog.EventLog.close`).
     """
     try:
-        events = load(events_dir).get(job)
+        events = load(events_dir, storage_options).get(job)
         if not events:
             return None
         report = build_report(job, events)
-        path = Path(events_dir) / f"{_UNSAFE.sub('_', job)}.goodput.json"
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(report.to_json(), indent=2))
-        os.replace(tmp, path)
+        name = f"{_UNSAFE.sub('_', job)}.goodput.json"
+        text = json.dumps(report.to_json(), indent=2)
+        if is_url(events_dir):
+            fs, root = filesystem(events_dir, storage_options)
+            where = f"{events_dir.rstrip('/')}/{name}"
+            fs.pipe_file(f"{root.rstrip('/')}/{name}", text.encode())  # one put: atomic
+        else:
+            path = Path(events_dir.removeprefix("file://")) / name
+            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+            tmp.write_text(text)
+            os.replace(tmp, path)
+            where = str(path)
         stream = sys.stderr if out is None else out
-        stream.write(format_report(report) + f"\n  (JSON: {path}; timeline: elastic-run goodput "
+        stream.write(format_report(report) + f"\n  (JSON: {where}; timeline: elastic-run goodput "
                      f"{events_dir} --job {job} --plot timeline.png)\n")
         stream.flush()
         return report
@@ -446,18 +510,60 @@ def write_summary(events_dir: str, job: str, *, out: TextIO | None = None) -> Re
         return None
 
 
+def parse_storage_options(pairs: Sequence[str]) -> dict[str, Any]:
+    """``k=v`` flags as fsspec storage options: JSON values where they parse (numbers, true,
+    objects), strings otherwise; ``client_kwargs.endpoint_url=...`` sets a nested key.
+
+    Raises:
+        ConfigError: a flag is not ``k=v``.
+    """
+    options: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, text = pair.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"--storage-option ({pair}) is not KEY=VALUE; pass for example "
+                              "--storage-option client_kwargs.endpoint_url=http://host:9000.")
+        try:
+            value: Any = json.loads(text)
+        except ValueError:
+            value = text
+        *parents, leaf = key.strip().split(".")
+        target = options
+        for parent in parents:
+            target = target.setdefault(parent, {})
+            if not isinstance(target, dict):
+                raise ConfigError(f"--storage-option ({pair}) sets a key inside {parent!r}, "
+                                  "which another flag set to a value; pass each key once.")
+        target[leaf] = value
+    return options
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """``elastic-run goodput EVENTS_DIR``; exit 0, or 2 when the directory has no events."""
     parser = argparse.ArgumentParser(prog="elastic-run goodput",
                                      description="Goodput report of a job's event log.")
-    parser.add_argument("events_dir", help="the --events-dir of the job")
+    parser.add_argument("events_dir", help="the --events-dir of the job (a directory or an "
+                        "fsspec URL such as s3://bucket/job/events)")
     parser.add_argument("--job", default=None, help="only this job id (default: every job)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of text")
     parser.add_argument("--plot", metavar="OUT.png", default=None,
                         help="also draw the timeline of the job (one job: pass --job when the "
                              "directory has several) as a PNG; needs matplotlib")
+    parser.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE",
+                        help="an fsspec storage option for a URL (repeatable), e.g. "
+                        "client_kwargs.endpoint_url=http://minio:9000; fsspec also reads "
+                        "FSSPEC_S3_ENDPOINT_URL and the like from the environment")
     args = parser.parse_args(None if argv is None else list(argv))
-    jobs = load(args.events_dir)
+    try:
+        jobs = load(args.events_dir, parse_storage_options(args.storage_option))
+    except ConfigError as exc:
+        sys.stderr.write(f"elastic-run goodput: error: {exc}\n")
+        return 2
+    except (OSError, ValueError, ImportError) as exc:
+        sys.stderr.write(f"elastic-run goodput: error: cannot read the event log at "
+                         f"{args.events_dir} ({type(exc).__name__}: {exc}); check the URL, "
+                         "its storage options and credentials.\n")
+        return 2
     if args.job is not None:
         jobs = {k: v for k, v in jobs.items() if k == args.job}
     if not jobs:

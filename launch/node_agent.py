@@ -93,6 +93,7 @@ class AgentConfig:
         drain_timeout: On a preemption notice, the longest the workers get to leave.
         linger: Seconds the run's end record stays for nodes that come late.
         worker_env: Extra environment for every worker (in-place tuning, events, ...).
+        metrics_port: The agent's Prometheus port, published in the node record.
     """
 
     job_id: str
@@ -111,6 +112,7 @@ class AgentConfig:
     drain_timeout: float = 60.0
     linger: int = 60
     worker_env: Mapping[str, str] = field(default_factory=dict)
+    metrics_port: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -246,6 +248,7 @@ class NodeAgent:
                 waiting=self._waiting_note(), failure=self._failure_note,
                 restarts=self._restarts,
                 done=all(s.finished for s in self._slots),
+                metrics_port=self.config.metrics_port,
             )
 
     def _publish(self) -> None:
@@ -677,6 +680,9 @@ class NodeAgent:
         slot.started_for = world
         slot.restart_at = None
         slot.finished = False
+        # elastic_run_worker_restarts_total counts the starts after a slot's first.
+        self.events.record("workers_started", round=world.epoch if world else self._epoch(),
+                           workers=1, restart=slot.incarnation > 1)
 
     def _reap(self) -> None:
         changed = False

@@ -121,6 +121,13 @@ def run(args: argparse.Namespace) -> int:
     addr = registered_address(config.local_addr or args.local_addr, args.rdzv_endpoint)
     entrypoint, worker_args = guarded_command(cmd, cmd_args)
     command = WorkerCommand((entrypoint, *worker_args), worker_base_env(os.environ))
+    events = EventLog(args.events_dir, job=config.run_id, source="agent")
+    # The workers report to this agent over a local socket; with --metrics-port the node's
+    # Prometheus series are one more sink of its event log.
+    from launch.telemetry import NodeTelemetry
+
+    telemetry = NodeTelemetry(events, metrics_port=args.metrics_port,
+                              metrics_host=args.metrics_host).start()
     agent_config = AgentConfig(
         job_id=config.run_id, key_prefix=conf.key_prefix, min_nodes=config.min_nodes,
         max_nodes=config.max_nodes, nproc_per_node=int(config.nproc_per_node), addr=addr,
@@ -129,7 +136,8 @@ def run(args: argparse.Namespace) -> int:
         budget=CrashBudget(max_restarts=args.max_restarts, window=args.restart_window),
         mode=args.elastic_mode, shutdown_grace=float(config.shutdown_timeout or 30),
         drain_timeout=args.preemption_drain_timeout, linger=conf.linger,
-        worker_env=_worker_env(args),
+        worker_env={**_worker_env(args), **telemetry.worker_env},
+        metrics_port=telemetry.metrics_port,
     )
     _log_config({
         "script": args.training_script,
@@ -143,7 +151,6 @@ def run(args: argparse.Namespace) -> int:
         "node lease ttl": f"{agent_config.ttl} s",
         "worker command": " ".join([entrypoint, *worker_args]),
     })
-    events = EventLog(args.events_dir, job=config.run_id, source="agent")
     agent = NodeAgent(agent_config, client, command, events)
     watchers = _watchers(args)
     monitor = PreemptionMonitor(watchers)
@@ -164,6 +171,8 @@ def run(args: argparse.Namespace) -> int:
     finally:
         monitor.stop()
         events.record("agent_exited", outcome=outcome, exit_code=code)
+        telemetry.close()
+        events.close()  # a log on a URL puts its last records (a bounded wait)
         if args.events_dir:
             from launch.goodput import write_summary
 

@@ -650,9 +650,9 @@ class ElasticLoop:
         return bool(agreed[_DRAIN])
 
     def _record(self, event: str, **fields: Any) -> None:
-        """Appends an event to the job's event log if this process is global rank 0 now."""
-        if self.ctx is None or self.ctx.rank == 0:
-            self._events.record(event, **fields)
+        """Records an event: every rank's reaches its agent's metrics; the job's log keeps
+        global rank 0's (durable): one copy per step (the steps are collective)."""
+        self._events.record(event, durable=self.ctx is None or self.ctx.rank == 0, **fields)
 
 
 def _tell_agent(kind: str, **fields: Any) -> None:

@@ -23,6 +23,8 @@ import pytest
 from benchmarks import run_all
 from benchmarks.goodput_under_faults import Run as GoodputRun
 from benchmarks.inplace_vs_torchrun import Run as InplaceRun
+from benchmarks.metrics_overhead import Result as MetricsResult
+from benchmarks.metrics_overhead import schedule as metrics_schedule
 from benchmarks.recovery_vs_torchrun import Run as RecoveryRun
 from benchmarks.rendezvous_scale import RoundResult
 
@@ -227,6 +229,37 @@ def test_inplace_rows() -> None:
     assert "| 0 steps |" in run_all.render_row(redone)
 
 
+# --------------------------------------------------------------------------------- metrics
+
+
+def test_metrics_rows_compare_with_metrics_off_against_the_one_percent_goal() -> None:
+    data = {"pair_ratios": [0.99, 1.02, 1.0], "steps_per_block": 100, "on_median_s": 0.021,
+            "ratio": 1.004, "cpu_ratio": 1.013, "cost_ratio": 1.002}
+    cost, step, cpu = run_all.metrics_rows(data)
+    assert cost.met is True and cost.ours == pytest.approx(1.002)
+    assert step.met is True and step.ratio == pytest.approx(1.004)
+    assert cpu.met is False and cpu.baseline_name == "metrics off, same run"
+    assert "3 pairs of 100 steps, 21.0 ms steps" in run_all.render_row(step)
+
+
+def test_metrics_script_json_feeds_the_summary() -> None:
+    # The real script's JSON, from its own Result type (no run: that takes minutes).
+    result = MetricsResult(steps_per_block=10, repeats=2, on_step_s=[0.02, 0.021],
+                           off_step_s=[0.02, 0.02], on_cpu_s=[0.01, 0.01],
+                           off_cpu_s=[0.01, 0.01], on_record_s=[2e-5, 2e-5],
+                           agent_cpu_on_s=0.01, agent_wall_on_s=1.0, agent_wall_off_s=1.0)
+    assert metrics_schedule(2) == [False, True, True, False]
+    data = {**asdict(result), "on_median_s": result.on_median, "pair_ratios":
+            result.pair_ratios, "ratio": result.ratio, "cpu_ratio": result.cpu_ratio,
+            "cost_ratio": result.cost_ratio}
+    cost, step, cpu = run_all.metrics_rows(json.loads(json.dumps(data)))
+    # 20 us of recording plus the agent's 0.25 ms per worker, over 20 ms steps.
+    assert cost.ours == pytest.approx(1 + (2e-5 + 2.5e-4) / 0.02)
+    assert step.ours == pytest.approx(1.025)
+    # The agent's 10 ms over 20 on-steps is 0.5 ms a step, 0.25 ms on each worker's 10 ms.
+    assert cpu.ours == pytest.approx(1.025)
+
+
 # --------------------------------------------------------------------------------- goodput
 
 
@@ -323,7 +356,7 @@ def test_markdown_detail_fences_progress_lines_only() -> None:
 def test_select() -> None:
     assert [b.name for b in run_all.select("checkpoint,rendezvous")] == ["rendezvous",
                                                                          "checkpoint"]
-    assert len(run_all.select(None)) == len(run_all.BENCHES) == 5
+    assert len(run_all.select(None)) == len(run_all.BENCHES) == 6
     with pytest.raises(ValueError, match="nope"):
         run_all.select("rendezvous,nope")
 

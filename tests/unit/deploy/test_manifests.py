@@ -26,7 +26,7 @@ KUSTOMIZATIONS = sorted(p.parent for p in K8S.rglob("kustomization.yaml"))
 CORE_FILES = sorted(
     p for p in K8S.rglob("*.yaml")
     if p.name != "kustomization.yaml" and "overlays" not in p.parts
-    and p.parent.name != "pytorchjob"
+    and p.parent.name not in ("pytorchjob", "monitoring")  # custom resources: shape-checked
 )
 PYTORCHJOB = K8S / "pytorchjob" / "pytorchjob.yaml"
 
@@ -60,7 +60,9 @@ def test_the_deploy_tree_has_every_manifest_the_platform_team_needs() -> None:
     assert {"etcd/statefulset.yaml", "etcd/services.yaml", "etcd/pdb.yaml",
             "etcd/networkpolicy.yaml", "train/job.yaml", "pytorchjob/pytorchjob.yaml",
             "train/overlays/s3-credentials/kustomization.yaml",
-            "train/overlays/minio/kustomization.yaml"} <= names
+            "train/overlays/minio/kustomization.yaml", "monitoring/podmonitor.yaml",
+            "monitoring/prometheusrule.yaml"} <= names
+    assert (DEPLOY / "grafana" / "elastic-run-dashboard.json").is_file()
 
 
 @pytest.mark.parametrize("path", CORE_FILES, ids=lambda p: str(p.relative_to(K8S)))
@@ -103,6 +105,7 @@ def test_s3_overlay_takes_keys_from_a_secret_and_minio_adds_its_endpoint() -> No
     minio_env = _env(minio)
     assert minio_env["AWS_ENDPOINT_URL"] == minio_env["FSSPEC_S3_ENDPOINT_URL"]
     assert minio_env["CHECKPOINT_URL"] == "s3://elastic-train/checkpoints"
+    assert minio_env["EVENTS_URL"] == "s3://elastic-train/events"
     # The overlay keeps everything else of the base container.
     assert minio["args"] == base["args"]
     assert _env(base)["ELASTIC_ETCD_PASSWORD"] == minio_env["ELASTIC_ETCD_PASSWORD"]
@@ -175,6 +178,14 @@ def test_manifest_command_line_parses_with_elastic_runs_own_parser(
     assert args.rdzv_id.endswith("-from-downward-api")
     assert args.training_script == str(local_script)
     assert args.training_script_args == ["--checkpoint-url=s3://CHANGE-ME-bucket/elastic-train"]
+    # Live metrics on the port Prometheus is told about; the event log under the job's prefix.
+    annotations = (resource["spec"]["template"] if name == "job" else resource["spec"]
+                   ["pytorchReplicaSpecs"]["Worker"]["template"])["metadata"]["annotations"]
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert args.metrics_port == ports["metrics"] == int(annotations["prometheus.io/port"])
+    assert annotations["prometheus.io/scrape"] == "true"
+    assert annotations["prometheus.io/path"] == "/metrics"
+    assert args.events_dir == "s3://CHANGE-ME-bucket/elastic-train/events"
     if name == "job":
         spec = resource["spec"]
         assert spec["completionMode"] == "Indexed"

@@ -152,3 +152,31 @@ def test_modules_and_executables_run_under_the_worker_guard() -> None:
     cmd, xargs = guarded_command("/bin/trainer", ["--a"])
     assert cmd == sys.executable
     assert xargs == ["-u", "-m", "launch.worker_guard", "--exec", "/bin/trainer", "--a"]
+
+
+def test_metrics_are_off_by_default_and_the_port_comes_from_flag_or_environment(
+    script: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("ELASTIC_METRICS_PORT", raising=False)
+    base = ["--standalone", script]
+    assert cli.parse_args(base).metrics_port is None
+    assert cli.parse_args(["--metrics-port", "9400", *base]).metrics_port == 9400
+    monkeypatch.setenv("ELASTIC_METRICS_PORT", "9401")
+    monkeypatch.setenv("ELASTIC_METRICS_HOST", "::")
+    args = cli.parse_args(base)
+    assert (args.metrics_port, args.metrics_host) == (9401, "::")
+
+
+def test_a_bad_metrics_port_is_one_sentence_naming_it(
+    script: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    with pytest.raises(ConfigError, match=r"^--metrics-port \(70000\) must be a port number"):
+        cli.parse_args(["--standalone", "--metrics-port", "70000", script])
+    monkeypatch.setenv("ELASTIC_METRICS_PORT", "nine")
+    with pytest.raises(ConfigError, match=r"^ELASTIC_METRICS_PORT \('nine'\) is not a port"):
+        cli.parse_args(["--standalone", script])
+
+
+def test_events_dir_takes_a_url(script: str) -> None:
+    args = cli.parse_args(["--standalone", "--events-dir", "s3://bucket/job/events", script])
+    assert args.events_dir == "s3://bucket/job/events"

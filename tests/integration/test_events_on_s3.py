@@ -1,0 +1,167 @@
+"""Acceptance 3 of the event log on object storage: moto's S3 server on 127.0.0.1.
+
+* a writer process SIGKILLed mid-run loses at most its last second of events;
+* three writer processes (agents) putting chunks of one job at once lose nothing: the goodput
+  report read from ``s3://`` equals the one read from the local files they wrote alongside;
+* a real 3-node ``elastic-run`` job with ``--events-dir s3://...`` and a worker kill: every
+  step is in the log exactly once, every agent's start and exit too, and ``elastic-run goodput
+  s3://...`` (the command) prints the same report as for a local copy of the objects.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import s3fs
+from moto.server import ThreadedMotoServer
+
+from elastic.eventlog import read_events
+from launch import goodput
+from tests.integration.launcher_scripts.harness import REPO, cluster, etcd_or_skip, kill
+from tests.integration.training.inplace_job import EVENT_TIMEOUT, STEPS, InPlaceJob
+
+pytestmark = [pytest.mark.s3]
+
+WRITER = Path(__file__).with_name("launcher_scripts") / "events_writer.py"
+
+
+@pytest.fixture(scope="module")
+def endpoint() -> Iterator[str]:
+    saved = {k: os.environ.get(k) for k in
+             ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION")}
+    os.environ.update(AWS_ACCESS_KEY_ID="x", AWS_SECRET_ACCESS_KEY="x",
+                      AWS_DEFAULT_REGION="us-east-1")
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0)
+    server.start()
+    host, port = server.get_host_and_port()
+    try:
+        yield f"http://{host}:{port}"
+    finally:
+        server.stop()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _options(endpoint: str) -> dict[str, Any]:
+    return {"client_kwargs": {"endpoint_url": endpoint}, "key": "x", "secret": "x"}
+
+
+@pytest.fixture
+def bucket(endpoint: str) -> str:
+    name = f"events-{uuid.uuid4().hex[:12]}"
+    s3fs.S3FileSystem(**_options(endpoint)).mkdir(name)
+    return name
+
+
+def _child_env(endpoint: str) -> dict[str, str]:
+    # How an agent gets its S3 settings: fsspec reads FSSPEC_S3_* from the environment.
+    env = dict(os.environ, AWS_ACCESS_KEY_ID="x", AWS_SECRET_ACCESS_KEY="x",
+               AWS_DEFAULT_REGION="us-east-1", FSSPEC_S3_ENDPOINT_URL=endpoint)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    return env
+
+
+@pytest.mark.timeout(60)
+def test_a_writer_sigkilled_mid_run_loses_at_most_its_last_second(
+    endpoint: str, bucket: str,
+) -> None:
+    url = f"s3://{bucket}/events"
+    proc = subprocess.Popen([sys.executable, str(WRITER), "ticks", url],
+                            env=_child_env(endpoint), cwd=REPO)
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and len(list(read_events(url, _options(endpoint)))) \
+                < 300:
+            time.sleep(0.2)
+        time.sleep(1.0)
+        killed_at = time.time()
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.kill()
+        proc.wait(10)
+    ticks = sorted((e["i"], e["time"]) for e in read_events(url, _options(endpoint)))
+    assert len(ticks) >= 300
+    assert [i for i, _ in ticks] == list(range(len(ticks))), "a record in the middle is missing"
+    last = ticks[-1][1]
+    assert killed_at - last <= 1.0, f"lost {killed_at - last:.2f} s of events"
+
+
+@pytest.mark.timeout(90)
+def test_three_writers_on_s3_give_the_same_report_as_their_local_files(
+    endpoint: str, bucket: str, tmp_path: Path,
+) -> None:
+    url = f"s3://{bucket}/events"
+    local = tmp_path / "events"
+    procs = [subprocess.Popen([sys.executable, str(WRITER), "agent", url, str(local), name],
+                              env=_child_env(endpoint), cwd=REPO) for name in "abc"]
+    for proc in procs:
+        assert proc.wait(60) == 0
+    from_s3 = goodput.load(url, _options(endpoint))
+    from_files = goodput.load(str(local))
+    assert set(from_s3) == set(from_files) == {"s3-job"}
+    assert len(from_s3["s3-job"]) == len(from_files["s3-job"])
+    report_s3 = goodput.build_report("s3-job", from_s3["s3-job"]).to_json()
+    report_files = goodput.build_report("s3-job", from_files["s3-job"]).to_json()
+    assert report_s3 == report_files
+    assert report_s3["steps"] == 60 and len(report_s3["changes"]) == 1
+    # Three writers, each under a directory of its own.
+    objects = s3fs.S3FileSystem(**_options(endpoint)).find(f"{bucket}/events")
+    assert len({p.split("/")[-2] for p in objects}) == 3
+
+
+@pytest.mark.etcd
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_a_real_three_node_job_logs_every_step_once_to_s3(
+    request: pytest.FixtureRequest, endpoint: str, bucket: str, tmp_path: Path,
+) -> None:
+    etcd: Any = etcd_or_skip(request)
+    url = f"s3://{bucket}/job/events"
+    with cluster(tmp_path, etcd.endpoint, f"s3-{uuid.uuid4().hex[:8]}") as c:
+        c.env.update(_child_env(endpoint))
+        job = InPlaceJob(c, tmp_path, ("--nnodes", "1:3", "--max-restarts", "3",
+                                       "--inplace-ttl", "5", "--events-dir", url), mode=None)
+        job.open_gate(0)
+        agents = [job.start_node(0.05) for _ in range(3)]
+        job.wait_for(lambda a: len(job.current_world(a)[1]) == 3, "a world of 3")
+        job.open_gate(10)
+        job.wait_for(lambda a: any(d["step"] >= 8 for d in a.done), "step 8")
+        kill([job.worker_pid(agents[1])], signal.SIGKILL)
+        job.open_gate(STEPS)
+        for agent in agents:
+            assert agent.wait(EVENT_TIMEOUT) == 0, c.logs()
+        job_id = c.job_id
+    events = list(read_events(url, _options(endpoint)))
+    steps = sorted(e["step"] for e in events if e["event"] == "step")
+    assert steps == sorted(int(s) for s in job.audit().final_attempts()) + [
+        s for s in job.audit().redone_steps()], "the log must hold each step execution once"
+    assert sorted(e["event"] for e in events if e["event"].startswith("agent_")) == \
+        ["agent_exited"] * 3 + ["agent_started"] * 3
+    mirror = tmp_path / "mirror"
+    s3fs.S3FileSystem(**_options(endpoint)).get(f"{bucket}/job/events", str(mirror),
+                                               recursive=True)
+    cli = [sys.executable, "-m", "launch", "goodput", "--json", "--job", job_id]
+    remote = subprocess.run([*cli, url, "--storage-option",
+                             f"client_kwargs.endpoint_url={endpoint}"],
+                            env=_child_env(endpoint), cwd=REPO, capture_output=True, text=True,
+                            timeout=60)
+    assert remote.returncode == 0, remote.stderr
+    copy = subprocess.run([*cli, str(mirror)], env=_child_env(endpoint), cwd=REPO,
+                          capture_output=True, text=True, timeout=60)
+    assert copy.returncode == 0, copy.stderr
+    assert json.loads(remote.stdout) == json.loads(copy.stdout)
+    (report,) = json.loads(remote.stdout)
+    assert report["finished"] and report["steps"] == STEPS
