@@ -122,6 +122,7 @@ def _agent_process(backend: str, endpoint: str, run_id: str, nodes: int, agents:
     counter = _CasCounter()
     if backend == "etcd-v3":
         from elastic._rdzv_backend import EtcdV3RendezvousBackend
+
         from elastic.rendezvous import create_rdzv_handler
 
         counter.wrap(EtcdV3RendezvousBackend)

@@ -207,6 +207,10 @@ class NodeAgent:
         self._change_reason = "start"
         #: Worlds this node took part in (epochs), for tests and the report.
         self.epochs: list[int] = []
+        #: When the agent's process started (the event log's origin), set by the runner.
+        self.launched_at: float | None = None
+        #: Which preemption notices this node watches (for the event log).
+        self.preemption_watch: list[str] = []
 
     # -- identity ---------------------------------------------------------------------------
 
@@ -420,7 +424,10 @@ class NodeAgent:
         self.events.record("agent_started", node_id=self._node,
                            generation=opened.keys.generation,
                            min_nodes=self.config.min_nodes, max_nodes=self.config.max_nodes,
-                           nproc_per_node=self.config.nproc_per_node)
+                           nproc_per_node=self.config.nproc_per_node,
+                           max_restarts=self._budget.max_restarts,
+                           preemption_watch=self.preemption_watch,
+                           launched_at=self.launched_at)
         try:
             while True:
                 outcome = self._tick()
@@ -934,13 +941,7 @@ def _cause_of(world: WorldRecord, previous: WorldRecord | None) -> str | None:
     """Why ``world`` was written, for the event log (``None``: it says nothing new)."""
     if previous is not None and world.epoch == previous.epoch:
         return None  # a mode upgrade of the same world
-    if world.departed:
-        return "planned_departure"
-    if world.evicted:
-        return "worker_evicted"
-    if world.lost:
-        return "node_lost"
-    return None
+    return world.cause or None
 
 
 def _notice_budget(notice: Any) -> float:

@@ -152,11 +152,11 @@ def run(args: argparse.Namespace) -> int:
         "worker command": " ".join([entrypoint, *worker_args]),
     })
     agent = NodeAgent(agent_config, client, command, events)
+    agent.launched_at = process_started_at()
     watchers = _watchers(args)
+    agent.preemption_watch = [w.source for w in watchers]
     monitor = PreemptionMonitor(watchers)
     monitor.start(agent.request_departure)  # main thread: the SIGTERM watcher needs it
-    events.record("agent_launched", launched_at=process_started_at(),
-                  preemption_watch=[w.source for w in watchers])
     outcome, code = "failed", 1
     try:
         result = agent.run()

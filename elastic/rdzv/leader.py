@@ -290,6 +290,9 @@ class LeaderLoop:
         )
 
     def _write(self, proposal: WorldRecord, current: WorldRecord | None) -> None:
+        if not proposal.cause:
+            proposal = proposal.with_changes(cause=_cause(proposal, current,
+                                                          self.node_records()))
         self.stats.cas_attempts += 1
         written, after = self._client.cas(
             self._keys.world, proposal.dumps(), current.revision if current else None)
@@ -325,6 +328,26 @@ class LeaderLoop:
             self.stats.cas_won += 1
             logger.warning("replaced the invalid world record with epoch %d",
                            replacement.epoch)
+
+
+def _cause(world: WorldRecord, current: WorldRecord | None,
+           nodes: Sequence[NodeRecord]) -> str:
+    """Why ``world`` follows ``current`` (for the event log and the metrics)."""
+    if current is None:
+        return "start"
+    if not current.members:  # after restart mode's empty world: its cause is this one's
+        return current.cause or "node_joined"
+    if world.departed:
+        return "planned_departure"
+    if world.evicted:
+        return "worker_evicted"
+    if world.lost:
+        live = {n.node for n in nodes}
+        return ("node_lost" if any(w.split("/")[0] not in live for w in world.lost)
+                else "worker_failed")
+    if world.epoch == current.epoch:
+        return current.cause
+    return "node_joined"
 
 
 def _restart_all(current: WorldRecord, nodes: Sequence[NodeRecord]) -> WorldRecord:

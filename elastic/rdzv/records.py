@@ -268,6 +268,9 @@ class WorldRecord:
         lost: Workers of the previous world that are gone (dead, not ready, their node's
             lease lost): the cause of this world, so that a worker that failed at the same
             time can tell a peer's failure from its own.
+        cause: Why this world was written: ``start``, ``node_joined``, ``node_lost`` (a
+            node's record is gone), ``worker_failed`` (a worker of a live node is gone),
+            ``planned_departure``, ``worker_evicted`` or ``""`` (unknown).
         revision: The key's mod revision (the CAS token; not serialized).
     """
 
@@ -278,6 +281,7 @@ class WorldRecord:
     departed: tuple[str, ...] = ()
     evicted: tuple[str, ...] = ()
     lost: tuple[str, ...] = ()
+    cause: str = ""
     revision: int = field(default=0, compare=False)
 
     def ranks(self) -> tuple[str, ...]:
@@ -330,7 +334,7 @@ class WorldRecord:
             "format": WORLD_FORMAT, "epoch": self.epoch, "mode": self.mode,
             "store": {"addr": self.store[0], "port": self.store[1]},
             "departed": list(self.departed), "evicted": list(self.evicted),
-            "lost": list(self.lost),
+            "lost": list(self.lost), "cause": self.cause,
             "members": [{"node": m.node, "addr": m.addr, "probe_port": m.probe_port,
                          "workers": list(m.workers)} for m in self.members],
         })
@@ -386,7 +390,8 @@ class WorldRecord:
         return cls(epoch=_field(data, "epoch", int, key), members=tuple(members),
                    store=(_field(store, "addr", str, key), _field(store, "port", int, key)),
                    mode=mode, departed=lists["departed"], evicted=lists["evicted"],
-                   lost=lists["lost"], revision=revision)
+                   lost=lists["lost"], cause=str(data.get("cause") or ""),
+                   revision=revision)
 
 
 # -- job lifetime ----------------------------------------------------------------------------
