@@ -4,13 +4,15 @@ Run it on one machine with an embedded etcd and two workers::
 
     elastic-run --standalone --nproc-per-node 2 examples/train.py
 
-or on every node of a cluster::
+or on every node of a cluster (nodes may come and go while it trains)::
 
     elastic-run --min-nodes 2 --max-nodes 8 --etcd etcd-0:2379 --job-id exp-1 examples/train.py
 
-It is a plain DDP loop plus ``elastic.init``, ``ElasticSampler`` and ``ElasticLoop``: the global
-batch is fixed whatever the world size, every sample of an epoch is trained exactly once across
-membership changes, and after a restart the newest committed checkpoint is resumed.
+It is a plain PyTorch training loop handed to ``elastic.ElasticLoop``: the loop owns the DDP
+wrapper, the optimizer step, the data order and the checkpoints. The global batch is the same
+on any world size, every sample of an epoch is trained exactly once across membership changes,
+and when a worker or a node is lost (or joins) the survivors reconfigure in place and go on
+from the step in flight, without restarting or reading a checkpoint.
 """
 
 from __future__ import annotations
@@ -21,11 +23,9 @@ import time
 
 import torch
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import TensorDataset
 
 import elastic
-from checkpointing import CheckpointManager, ModelOptimizerState
 
 DRAINED_EXIT_CODE = 143  # stopped early by SIGTERM after a final checkpoint
 
@@ -57,41 +57,29 @@ def synthetic_dataset(size: int, seed: int) -> TensorDataset:
 def main() -> int:
     args = parse_args()
     torch.set_default_dtype(getattr(torch, args.dtype))
-    ctx = elastic.init()  # env from elastic-run/torchrun; nccl if CUDA else gloo
+    ctx = elastic.init()  # the world from elastic-run (or torchrun); nccl if CUDA else gloo
     torch.manual_seed(args.seed)  # identical initial weights on every rank
     model = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 1)).to(ctx.device)
-    ddp = DistributedDataParallel(model, process_group=ctx.process_group)
-    optim = torch.optim.SGD(model.parameters(), lr=args.lr)
-    dataset = synthetic_dataset(args.dataset_size, args.seed)
-    sampler = elastic.ElasticSampler(len(dataset), seed=args.seed)
-    ckpt = CheckpointManager(args.checkpoint_dir, process_group=ctx.checkpoint_group,
-                             round=ctx.round)
-    with elastic.ElasticLoop(ctx, state={"train": ModelOptimizerState(model, optim)},
-                             checkpoint=ckpt, sampler=sampler, max_steps=args.steps,
-                             checkpoint_interval=args.checkpoint_every,
-                             global_batch_size=args.global_batch,
-                             micro_batch_size=args.micro_batch) as loop:
-        if ctx.is_leader:
-            print(f"[train] round={ctx.round} world={ctx.world_size} resuming at step "
-                  f"{loop.step}/{args.steps} (micro batch {loop.micro_batch_size} x "
-                  f"{loop.grad_accum_steps} accumulation)", flush=True)
-        loader = DataLoader(dataset, batch_size=loop.micro_batch_size, sampler=sampler)
-        for step in loop:
-            for x, y in loop.micro_batches(loader, ddp):
-                loss = nn.functional.mse_loss(ddp(x.to(ctx.device)), y.to(ctx.device))
-                loop.scale_loss(loss).backward()
-            optim.step()
-            optim.zero_grad(set_to_none=True)
-            loop.end_step()
-            if args.step_time:
-                time.sleep(args.step_time)
-            if ctx.is_leader and ((step + 1) % 10 == 0 or step + 1 == args.steps):
-                print(f"[train] step {step + 1}/{args.steps} world={ctx.world_size} "
-                      f"epoch={sampler.epoch} loss={loss.item():.4f}", flush=True)
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
+    loop = elastic.ElasticLoop(
+        ctx, model=model, optimizer=optimizer,
+        data=synthetic_dataset(args.dataset_size, args.seed), seed=args.seed,
+        global_batch_size=args.global_batch, micro_batch_size=args.micro_batch,
+        max_steps=args.steps, checkpoint=args.checkpoint_dir,
+        checkpoint_interval=args.checkpoint_every,
+    )
+    for x, y in loop.batches():
+        loss = nn.functional.mse_loss(loop.model(x), y)
+        loop.backward(loss)
+        if args.step_time:
+            time.sleep(args.step_time / max(1, loop.grad_accum_steps))
+        if ctx.is_leader and loop.at_step_end and loop.step % 10 == 9:
+            print(f"[train] step {loop.step + 1}/{args.steps} world={ctx.world_size} "
+                  f"loss={loss.item():.4f}", flush=True)
     if loop.drained:
         print(f"[train] rank {ctx.rank} drained at step {loop.step}", flush=True)
         return DRAINED_EXIT_CODE
-    if ctx.is_leader:
+    if ctx.is_leader and loop.finished:
         print(f"[train] done: {loop.step} steps", flush=True)
     return 0
 

@@ -17,11 +17,9 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import Dataset
 
 import elastic
-from checkpointing import CheckpointManager, ModelOptimizerState
 
 SHARD = 256
 
@@ -75,40 +73,34 @@ def main() -> int:
     args = parser.parse_args()
 
     ctx = elastic.init()
-    if ctx.is_leader:
-        ShardedFileDataset.materialise(Path(args.data_dir), args.dataset_size, args.seed)
-    torch.distributed.barrier()
+    # Every worker writes the shards it finds missing (atomically): no collective of our
+    # own is needed, so a worker that joins a running job runs the same code.
+    ShardedFileDataset.materialise(Path(args.data_dir), args.dataset_size, args.seed)
     dataset = ShardedFileDataset(Path(args.data_dir), args.dataset_size)
     torch.manual_seed(args.seed)
     model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 4)).to(ctx.device)
-    ddp = DistributedDataParallel(model, process_group=ctx.process_group)
-    optim = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optim, T_max=args.steps)
-    sampler = elastic.ElasticSampler(len(dataset), seed=args.seed, drop_last=True)
-    ckpt = CheckpointManager(args.checkpoint_dir, process_group=ctx.checkpoint_group,
-                             round=ctx.round)
-    with elastic.ElasticLoop(ctx, state={"train": ModelOptimizerState(model, optim),
-                                         "scheduler": scheduler},
-                             checkpoint=ckpt, sampler=sampler, max_steps=args.steps,
-                             checkpoint_interval=args.checkpoint_every,
-                             global_batch_size=args.global_batch,
-                             micro_batch_size=args.micro_batch) as loop:
-        loader = DataLoader(dataset, batch_size=loop.micro_batch_size, sampler=sampler,
-                            num_workers=args.num_workers, persistent_workers=args.num_workers > 0)
-        for step in loop:
-            correct = 0
-            for x, y in loop.micro_batches(loader, ddp):
-                logits = ddp(x.to(ctx.device))
-                loop.scale_loss(nn.functional.cross_entropy(logits, y.to(ctx.device))).backward()
-                correct += int((logits.argmax(1).cpu() == y).sum())
-            optim.step()
-            optim.zero_grad(set_to_none=True)
-            scheduler.step()
-            loop.end_step()
-            if ctx.is_leader and (step + 1) % 10 == 0:
-                accuracy = correct / (loop.micro_batch_size * loop.grad_accum_steps)
-                print(f"[train_dataset] step {step + 1}/{args.steps} world={ctx.world_size} "
-                      f"epoch={sampler.epoch} accuracy={accuracy:.2f}", flush=True)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    loop = elastic.ElasticLoop(
+        ctx, model=model, optimizer=optimizer, data=dataset,
+        scheduler=torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.steps),
+        sampler=elastic.ElasticSampler(len(dataset), seed=args.seed, drop_last=True),
+        loader_options={"num_workers": args.num_workers,
+                        "persistent_workers": args.num_workers > 0},
+        global_batch_size=args.global_batch, micro_batch_size=args.micro_batch,
+        max_steps=args.steps, checkpoint=args.checkpoint_dir,
+        checkpoint_interval=args.checkpoint_every,
+    )
+    correct = seen = 0
+    for x, y in loop.batches():
+        logits = loop.model(x)
+        loop.backward(nn.functional.cross_entropy(logits, y))
+        correct += int((logits.argmax(1) == y).sum())
+        seen += len(y)
+        if loop.at_step_end:
+            if ctx.is_leader and loop.step % 10 == 9:
+                print(f"[train_dataset] step {loop.step + 1}/{args.steps} "
+                      f"world={ctx.world_size} accuracy={correct / seen:.2f}", flush=True)
+            correct = seen = 0
     if ctx.is_leader and loop.finished:
         print(f"[train_dataset] done: {loop.step} steps", flush=True)
     return 143 if loop.drained else 0

@@ -312,6 +312,12 @@ class ElasticLoop:
         index, count = self._micro
         return index == count - 1
 
+    @property
+    def at_step_end(self) -> bool:
+        """The managed way: whether the current micro-batch is its step's last (the step
+        completes once its backward is done): the moment to log a step's loss."""
+        return self._last_micro()
+
     def backward(self, loss: torch.Tensor) -> None:
         """Backpropagates a micro-batch's *mean* loss, scaled for the global batch.
 
