@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
 import sys
 from pathlib import Path
 
@@ -32,7 +33,7 @@ class ShardedFileDataset(Dataset[tuple[torch.Tensor, torch.Tensor]]):
 
     @staticmethod
     def materialise(root: Path, size: int, seed: int) -> None:
-        """Writes the shards once (rank 0 before training; atomic per file)."""
+        """Writes the missing shards (each atomically: a rename of a file of this process)."""
         root.mkdir(parents=True, exist_ok=True)
         generator = torch.Generator().manual_seed(seed)
         weights = torch.randn(16, 4, generator=generator)
@@ -40,7 +41,7 @@ class ShardedFileDataset(Dataset[tuple[torch.Tensor, torch.Tensor]]):
             path = root / f"shard-{first // SHARD:05d}.pt"
             x = torch.randn(min(SHARD, size - first), 16, generator=generator)
             if not path.exists():
-                tmp = path.with_suffix(".tmp")
+                tmp = path.with_suffix(f".tmp{os.getpid()}")  # several workers may race
                 torch.save({"x": x, "y": (x @ weights).argmax(1)}, tmp)
                 tmp.replace(path)
 
