@@ -6,7 +6,7 @@ do next.
 
 from __future__ import annotations
 
-from elastic.errors import ElasticError
+from elastic_errors import ElasticError
 
 
 class CheckpointError(ElasticError):

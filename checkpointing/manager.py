@@ -27,7 +27,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from datetime import timedelta
 from types import TracebackType
-from typing import Any
+from typing import Any, Protocol
 
 import torch.distributed as dist
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
@@ -59,7 +59,6 @@ from checkpointing.retention import plan_retention
 from checkpointing.shard_io import ShardWriter
 from checkpointing.staging import HostStager
 from checkpointing.storage import STORAGE_RETRY_DEADLINE_S, Storage, is_transient
-from elastic.eventlog import EventLog
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +68,14 @@ class AsyncMode(str, enum.Enum):
 
     DISABLED = "disabled"
     ASYNC = "async"
+
+
+class EventRecorder(Protocol):
+    """Takes the manager's events (``elastic.eventlog.EventLog`` is one)."""
+
+    def record(self, event: str, *, round: int | None = None, durable: bool = True,
+               **fields: Any) -> None:
+        """Records one event (never raises)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -220,9 +227,15 @@ class CheckpointManager:
         self.last_blocked_s = 0.0
         #: Seconds the last save spent staging on the calling thread.
         self.last_stage_s = 0.0
-        # checkpoint_committed / checkpoint_failed: every rank's reach its agent's metrics,
-        # the group's rank 0's reach the job event log (elastic.eventlog).
-        self._events = EventLog.from_env()
+        #: Where ``checkpoint_committed``/``checkpoint_failed`` events go (``None``: nowhere);
+        #: ``ElasticLoop`` sets its event log here, so every rank's reach its agent's metrics
+        #: and the group's rank 0's the job event log.
+        self.events: EventRecorder | None = None
+
+    def _record(self, event: str, **fields: Any) -> None:
+        events = self.events
+        if events is not None:
+            events.record(event, round=self.round, durable=self._rank == 0, **fields)
 
     # ----------------------------------------------------------------------------- save path
     def rebind(self, process_group: dist.ProcessGroup, round: int) -> None:
@@ -314,14 +327,12 @@ class CheckpointManager:
                     )
                     err.__cause__ = exc
                 committed.set_exception(err)
-                self._events.record("checkpoint_failed", round=self.round, step=step,
-                                    error=str(err).splitlines()[0][:300],
-                                    durable=self._rank == 0)
+                self._record("checkpoint_failed", step=step,
+                             error=str(err).splitlines()[0][:300])
                 return
             committed.set_result(info)
-            self._events.record("checkpoint_committed", round=self.round, step=step,
-                                durable_s=round(time.monotonic() - t0, 4), world=self._world,
-                                durable=self._rank == 0)
+            self._record("checkpoint_committed", step=step,
+                         durable_s=round(time.monotonic() - t0, 4), world=self._world)
             if self._rank == 0:
                 self._apply_retention(in_flight=None)
 

@@ -12,9 +12,10 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from elastic.batching import BatchPlan, plan_batches
-    from elastic.context import ElasticContext, World, init
+    from elastic.context import ElasticContext, World
     from elastic.loop import ElasticLoop
     from elastic.sampler import ElasticSampler
+    from elastic.startup import init
 
 __all__ = [
     "BatchPlan",
@@ -32,7 +33,7 @@ _LAZY_EXPORTS = {
     "plan_batches": "elastic.batching",
     "ElasticContext": "elastic.context",
     "World": "elastic.context",
-    "init": "elastic.context",
+    "init": "elastic.startup",
     "ElasticLoop": "elastic.loop",
 }
 

@@ -21,15 +21,30 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Final, Literal
+from typing import Any, Final, Literal, Protocol
 
 import requests
 from tenacity import retry_if_exception_type, stop_after_delay
 
-from elastic.errors import EtcdUnavailableError
+from elastic._etcd_wire import RETRY_POLICY, KeyValue, b64, decode_kv, prefix_range_end
+from elastic_errors import EtcdUnavailableError
 
-if TYPE_CHECKING:
-    from elastic.etcd import EtcdClient, KeyValue
+
+class EtcdClient(Protocol):
+    """What a watch needs from :class:`elastic.etcd.EtcdClient` (no import of it: the
+    client imports this module)."""
+
+    @property
+    def config(self) -> Any: ...
+    @property
+    def endpoints_text(self) -> str: ...
+    def current_url(self) -> str: ...
+    def rotate(self, failed_url: str) -> None: ...
+    def auth_headers(self) -> dict[str, str]: ...
+    def reauthenticate(self, stale_token: str | None) -> None: ...
+    def new_session(self) -> requests.Session: ...
+    def snapshot(self, prefix: str) -> tuple[list[KeyValue], int]: ...
+    def get_many_at(self, keys: Sequence[str]) -> tuple[list[KeyValue | None], int]: ...
 
 logger = logging.getLogger(__name__)
 
@@ -119,8 +134,6 @@ class _Stream:
 
 
 def _events(result: dict[str, Any]) -> Iterator[WatchEvent]:
-    from elastic.etcd import decode_kv
-
     for raw in result.get("events", []):
         kv = decode_kv(raw["kv"])
         if raw.get("type") == "DELETE":
@@ -234,8 +247,6 @@ class PrefixWatch:
             self._cond.notify_all()
 
     def _follow(self, session: requests.Session) -> None:
-        from elastic.etcd import b64, prefix_range_end
-
         request = {
             "key": b64(self._prefix),
             "range_end": prefix_range_end(self._prefix),
@@ -253,8 +264,6 @@ class PrefixWatch:
             _shutdown(stream.response)
 
     def _run(self) -> None:
-        from elastic.etcd import RETRY_POLICY
-
         deadline = self._client.config.deadline.total_seconds()
         session = self._client.new_session()
         try:
@@ -311,8 +320,6 @@ def wait_for_keys(
         TimeoutError: naming the missing keys, when ``timeout`` passes first.
         EtcdUnavailableError: when etcd cannot be reached within the client's deadline.
     """
-    from elastic.etcd import b64
-
     deadline = time.monotonic() + timeout.total_seconds()
     session: requests.Session | None = None
     try:

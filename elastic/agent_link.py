@@ -23,8 +23,8 @@ from collections.abc import Callable
 from typing import Any, Final
 
 from elastic import env
-from elastic.errors import ConfigError
 from elastic.rdzv.records import RecordError, WorldRecord
+from elastic_errors import ConfigError
 
 __all__ = ["AgentLink", "current_link", "describe", "link_from_env", "report_failure", "send_all"]
 
@@ -262,7 +262,7 @@ def report_failure(exc: BaseException) -> None:
                 peer = link.peer_check(exc)
             except Exception:
                 peer = False
-        from elastic.inplace.controller import is_peer_failure_type
+        from elastic.failures import is_peer_failure_type
 
         link.send("failure", error=describe(exc), step=link.step, peer=peer,
                   peer_type=is_peer_failure_type(exc))

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from elastic.errors import ConfigError
+from elastic_errors import ConfigError
 
 __all__ = ["BatchPlan", "plan_batches"]
 

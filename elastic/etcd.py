@@ -37,15 +37,21 @@ from typing import Any, Final, NoReturn
 
 import requests
 from tenacity import (
-    Retrying,
-    before_sleep_log,
-    retry_if_exception_type,
     stop_after_delay,
-    wait_exponential_jitter,
 )
 
 from elastic import env
-from elastic.errors import ConfigError, EtcdAccessError, EtcdUnavailableError
+from elastic._etcd_watch import PrefixWatch, WatchEvent, wait_for_keys
+from elastic._etcd_wire import (
+    MAX_TXN_OPS,
+    RETRY_POLICY,
+    KeyValue,
+    Transient,
+    b64,
+    decode_kv,
+    prefix_range_end,
+)
+from elastic_errors import ConfigError, EtcdAccessError, EtcdUnavailableError
 
 logger = logging.getLogger(__name__)
 
@@ -172,61 +178,6 @@ def config_from_env(
     )
 
 
-@dataclass(frozen=True, slots=True)
-class KeyValue:
-    """One key as etcd returned it."""
-
-    key: str
-    value: bytes
-    mod_revision: int
-    create_revision: int
-    lease: int = 0
-
-
-MAX_TXN_OPS: Final = 100
-"""Operations per transaction; etcd refuses more than ``--max-txn-ops`` (128 by default)."""
-
-
-class _Transient(Exception):
-    """A failure worth retrying on another endpoint or later."""
-
-
-RETRY_POLICY: Final = Retrying(
-    wait=wait_exponential_jitter(multiplier=0.05, max=1.0),
-    retry=retry_if_exception_type(_Transient),
-    before_sleep=before_sleep_log(logger, logging.DEBUG),
-    reraise=True,
-)
-"""The one retry policy of the etcd boundary; each call copies it with its own deadline."""
-
-
-def b64(data: str | bytes) -> str:
-    """Encodes a key or value for the gateway."""
-    raw = data.encode() if isinstance(data, str) else data
-    return base64.b64encode(raw).decode()
-
-
-def prefix_range_end(prefix: str) -> str:
-    """The (encoded) ``range_end`` that selects every key starting with ``prefix``."""
-    raw = bytearray(prefix.encode())
-    for i in reversed(range(len(raw))):
-        if raw[i] < 0xFF:
-            raw[i] += 1
-            return b64(bytes(raw[: i + 1]))
-    return b64(b"\0")
-
-
-def decode_kv(item: dict[str, Any]) -> KeyValue:
-    """Decodes one gateway ``KeyValue`` (base64 fields, int64 as strings)."""
-    return KeyValue(
-        key=base64.b64decode(item["key"]).decode(),
-        value=base64.b64decode(item.get("value", "")),
-        mod_revision=int(item.get("mod_revision", 0)),
-        create_revision=int(item.get("create_revision", 0)),
-        lease=int(item.get("lease", 0)),
-    )
-
-
 class EtcdClient:
     """Thread-safe etcd v3 client over the JSON gateway.
 
@@ -306,10 +257,10 @@ class EtcdClient:
             # An expired or revoked token, or one issued before the last change to etcd's
             # users and roles (JWT tokens carry that revision): log in again, then retry.
             self._authenticate(headers.get("Authorization"))
-            raise _Transient("auth token refreshed")
+            raise Transient("auth token refreshed")
         if reply.status_code >= 500 or reply.status_code in (408, 429):
             self.rotate(url)
-            raise _Transient(f"{url}: HTTP {reply.status_code} {reply.text[:200].strip()}")
+            raise Transient(f"{url}: HTTP {reply.status_code} {reply.text[:200].strip()}")
         if reply.status_code != 200:
             raise EtcdAccessError(_rejection(url, reply, payload.get("key")))
         data: dict[str, Any] = reply.json()
@@ -333,7 +284,7 @@ class EtcdClient:
                 self._raise_unless_tls_refusal(url, exc)
             if reply.status_code >= 500:
                 self.rotate(url)
-                raise _Transient(f"{url}: HTTP {reply.status_code}")
+                raise Transient(f"{url}: HTTP {reply.status_code}")
             if reply.status_code != 200:
                 message = _grpc_message(reply)
                 if _GATEWAY_CN in message:
@@ -351,7 +302,7 @@ class EtcdClient:
         if refusal is not None:
             raise EtcdAccessError(refusal) from exc
         self.rotate(url)
-        raise _Transient(f"{url}: {type(exc).__name__}") from exc
+        raise Transient(f"{url}: {type(exc).__name__}") from exc
 
     def call(
         self, path: str, payload: dict[str, Any], *, deadline: timedelta | None = None
@@ -375,7 +326,7 @@ class EtcdClient:
             for attempt in RETRY_POLICY.copy(stop=stop_after_delay(limit)):
                 with attempt:
                     return self._post_once(path, payload)
-        except _Transient as exc:
+        except Transient as exc:
             raise EtcdUnavailableError(
                 f"etcd ({self.endpoints_text}) did not answer within {limit:g} s (last error: "
                 f"{exc}); check that etcd is running and reachable."
@@ -673,8 +624,6 @@ class Lease:
         except Exception:  # the lease expires on its own within its TTL anyway
             logger.debug("revoking etcd lease %x failed", self.id, exc_info=True)
 
-
-from elastic._etcd_watch import PrefixWatch, WatchEvent, wait_for_keys  # noqa: E402
 
 __all__ = [
     "RETRY_POLICY",

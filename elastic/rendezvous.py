@@ -28,9 +28,9 @@ def create_rdzv_handler(params: RendezvousParameters) -> RendezvousHandler:
     """
     from torch.distributed.elastic.rendezvous import RendezvousConnectionError
 
-    from elastic.errors import EtcdUnavailableError
     from elastic.rdzv.config import RdzvConf, client_for
     from elastic.rdzv.torch_handler import EtcdV3RendezvousHandler
+    from elastic_errors import EtcdUnavailableError
 
     conf = RdzvConf.parse(params.config)
     client = client_for(params.endpoint, conf)

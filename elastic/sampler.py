@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import Sampler
 
-from elastic.errors import ConfigError
+from elastic_errors import ConfigError
 
 __all__ = ["ElasticSampler"]
 

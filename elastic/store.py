@@ -41,7 +41,7 @@ class EtcdV3Store(Store):
     ) -> None:
         super().__init__()
         if timeout <= timedelta(0):
-            from elastic.errors import ConfigError
+            from elastic_errors import ConfigError
 
             raise ConfigError(f"store timeout ({timeout}) must be positive.")
         self._client = client

@@ -15,7 +15,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Final
 
-from elastic.errors import ConfigError
+from elastic_errors import ConfigError
 
 __all__ = ["DEFAULT_MAX_RESTARTS", "DEFAULT_WINDOW_S", "CrashBudget"]
 

@@ -46,19 +46,14 @@ from collections.abc import Iterator, Sequence
 from typing import Final
 
 from elastic import env
-from elastic.errors import ConfigError, ElasticError
+from elastic_errors import ConfigError, ElasticError
 from launch.budget import DEFAULT_MAX_RESTARTS, DEFAULT_WINDOW_S
+from launch.exit_codes import EXIT_BAD_INPUT, EXIT_OK, EXIT_RENDEZVOUS, PROG
 
 logger = logging.getLogger(__name__)
 
-EXIT_OK: Final = 0
-EXIT_WORKERS_FAILED: Final = 1
-EXIT_BAD_INPUT: Final = 2
-EXIT_RENDEZVOUS: Final = 3
-
 DEFAULT_BACKEND: Final = "elastic-etcd-v3"
 ETCD_BACKENDS: Final = frozenset({"etcd-v3", "elastic-etcd-v3"})
-PROG: Final = "elastic-run"
 
 
 def _find_action(parser: argparse.ArgumentParser, dest: str) -> argparse.Action:

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any, Final
 
-from elastic.errors import EtcdAccessError, EtcdUnavailableError
+from elastic_errors import EtcdAccessError, EtcdUnavailableError
 
 logger = logging.getLogger(__name__)
 

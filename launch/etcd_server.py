@@ -34,7 +34,7 @@ import requests
 import urllib3
 
 from elastic import env
-from elastic.errors import ConfigError, ElasticError
+from elastic_errors import ConfigError, ElasticError
 
 logger = logging.getLogger(__name__)
 

@@ -54,9 +54,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Final, TextIO
 
-from elastic.errors import ConfigError
 from elastic.event_chunks import filesystem, is_url
 from elastic.eventlog import read_events
+from elastic_errors import ConfigError
 
 logger = logging.getLogger(__name__)
 _UNSAFE: Final = re.compile(r"[^A-Za-z0-9_.-]+")

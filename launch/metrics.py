@@ -61,7 +61,7 @@ from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.exposition import start_http_server
 from prometheus_client.registry import Collector
 
-from elastic.errors import ConfigError
+from elastic_errors import ConfigError
 from launch.goodput import CHANGE_REASONS, NOTICED, NOTICED_BY_WORKERS, split_change
 
 logger = logging.getLogger(__name__)

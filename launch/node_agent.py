@@ -50,7 +50,6 @@ from datetime import timedelta
 from typing import Any, Final
 
 from elastic import env
-from elastic.errors import EtcdUnavailableError
 from elastic.etcd import EtcdClient
 from elastic.eventlog import EventLog
 from elastic.inplace.liveness import LivenessSocket, ProbeBook
@@ -59,6 +58,7 @@ from elastic.rdzv.job import RunMembership, new_node_id
 from elastic.rdzv.keys import JobKeys
 from elastic.rdzv.leader import RunLimits
 from elastic.rdzv.records import EndRecord, NodeRecord, WorkerSlot, WorldRecord, worker_id
+from elastic_errors import EtcdUnavailableError
 from launch.budget import CrashBudget
 from launch.channel import ChannelServer, WorkerConnection
 from launch.slots import SlotProcess, WorkerCommand, stop_all

@@ -36,7 +36,7 @@ from typing import Any, ClassVar, Final
 import requests
 
 from elastic import env
-from elastic.errors import ConfigError
+from elastic_errors import ConfigError
 
 logger = logging.getLogger(__name__)
 

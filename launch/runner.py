@@ -16,10 +16,10 @@ from datetime import timedelta
 from typing import Any, Final
 
 from elastic import env
-from elastic.errors import ConfigError, EtcdUnavailableError
 from elastic.eventlog import EventLog, process_started_at
 from elastic.rdzv.records import RecordError
-from launch.cli import EXIT_RENDEZVOUS, PROG
+from elastic_errors import ConfigError, EtcdUnavailableError
+from launch.exit_codes import EXIT_RENDEZVOUS, PROG
 
 logger = logging.getLogger(__name__)
 

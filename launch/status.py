@@ -26,7 +26,7 @@ from datetime import datetime, timedelta
 from typing import Any, Final
 
 from elastic import env
-from elastic.errors import ConfigError, EtcdUnavailableError
+from elastic_errors import ConfigError, EtcdUnavailableError
 
 EXIT_OK: Final = 0
 EXIT_NOT_FOUND: Final = 1

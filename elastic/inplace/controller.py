@@ -29,7 +29,7 @@ import statistics
 import time
 from collections import deque
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Final
+from typing import Any, Final, Protocol
 
 import torch
 import torch.distributed as dist
@@ -38,17 +38,28 @@ from torch._C._distributed_c10d import TCPStore
 from elastic import env
 from elastic.agent_link import AgentLink
 from elastic.context import ElasticContext, World
-from elastic.errors import ConfigError, ElasticError
+from elastic.failures import is_peer_failure_type
 from elastic.inplace.abort import WorldAbort
 from elastic.inplace.groups import abort_groups, build_groups, standby_groups
 from elastic.inplace.heal import HealResult, agree_and_heal
 from elastic.process_group import ProcessGroups
 from elastic.rdzv.records import WorldRecord
+from elastic_errors import ConfigError, ElasticError
 
-if TYPE_CHECKING:
-    from elastic.loop import ElasticLoop
 
-__all__ = ["InPlaceController", "StepRetriesExceeded", "init_inplace", "is_peer_failure"]
+class ElasticLoop(Protocol):
+    """What the controller needs of ``elastic.loop.ElasticLoop`` (no import of it)."""
+
+    step: int
+    has_state: bool
+    global_batch_size: int
+
+    def heal_state(self) -> dict[str, Any]: ...
+    def world_changed(self) -> None: ...
+    def restore_from_storage(self) -> int: ...
+    def settle_save(self) -> None: ...
+
+__all__ = ["InPlaceController", "StepRetriesExceeded", "init_inplace"]
 
 logger = logging.getLogger(__name__)
 
@@ -63,23 +74,6 @@ _STEP_TIMES: Final = 50
 
 class StepRetriesExceeded(ElasticError):
     """The same step was abandoned more often than allowed: a persistent fault, not a peer."""
-
-
-def is_peer_failure_type(exc: BaseException) -> bool:
-    """Whether ``exc`` is of a type a dead peer can cause in a collective.
-
-    gloo reports a reset or closed connection as a plain ``RuntimeError``; NCCL and stores
-    raise ``DistError`` subclasses. Out-of-memory errors (also ``RuntimeError``s), and every
-    other type, are the script's own and are never taken for a peer's failure.
-    """
-    if isinstance(exc, torch.OutOfMemoryError):
-        return False
-    return isinstance(exc, dist.DistError) or type(exc) is RuntimeError
-
-
-def is_peer_failure(exc: BaseException) -> bool:
-    """Compatibility helper: the type test alone (membership evidence needs a controller)."""
-    return is_peer_failure_type(exc)
 
 
 def _env_number(name: str, default: float) -> float:

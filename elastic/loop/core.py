@@ -60,12 +60,12 @@ from torch import nn
 from elastic import env
 from elastic.batching import BatchPlan, plan_batches
 from elastic.boundary_flags import BoundaryFlags
-from elastic.errors import ConfigError
 from elastic.eventlog import EventLog
 from elastic.loop.loop_state import LOOP_KEY, LoopState, optimizers_in, python_rng_state
 from elastic.loop.replicas import ElasticModel, Replicas, to_device
 from elastic.loop.saves import SaveSchedule
 from elastic.loop.signals import DrainSignal, shield_workers_from_sigterm
+from elastic_errors import ConfigError
 
 if TYPE_CHECKING:
     from checkpointing import CheckpointManager
@@ -192,6 +192,8 @@ class ElasticLoop:
         if controller is not None and os.environ.get(env.MODE, "auto") == "restart":
             controller = None
         self._inplace: Any = controller
+        if checkpoint is not None and checkpoint.events is None:
+            checkpoint.events = self._events
         if controller is not None:
             if checkpoint is not None:
                 checkpoint.commit_fence = controller.may_commit

@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import random
-from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterable, Mapping
+from typing import Any, Protocol
 
 import torch
 from torch.distributed.checkpoint.stateful import Stateful
-
-if TYPE_CHECKING:
-    from elastic.loop.core import ElasticLoop
 
 __all__ = ["LOOP_KEY", "LoopState", "optimizers_in", "python_rng_state"]
 
@@ -18,10 +15,20 @@ LOOP_KEY = "elastic"
 """The state key the loop saves itself under (reserved)."""
 
 
+class _Loop(Protocol):
+    """What :class:`LoopState` reads of the loop (``ElasticLoop``)."""
+
+    step: int
+    global_batch_size: int
+    sampler: Any
+
+    def _apply_loaded(self, state: Mapping[str, Any]) -> None: ...
+
+
 class LoopState(Stateful):
     """Step, data cursor, global batch and RNG state, saved under :data:`LOOP_KEY`."""
 
-    def __init__(self, loop: ElasticLoop) -> None:
+    def __init__(self, loop: _Loop) -> None:
         self._loop = loop
 
     def state_dict(self) -> dict[str, Any]:

@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-from elastic.errors import ConfigError
+from elastic_errors import ConfigError
 
 if TYPE_CHECKING:
     from checkpointing import CheckpointManager, SaveHandle

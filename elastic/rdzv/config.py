@@ -35,8 +35,8 @@ from datetime import timedelta
 from typing import Any, Final
 
 from elastic import env
-from elastic.errors import ConfigError
 from elastic.etcd import EtcdClient, config_from_env
+from elastic_errors import ConfigError
 
 __all__ = ["DEFAULTS", "RdzvConf", "client_for"]
 

@@ -13,7 +13,6 @@ import urllib.parse
 from collections.abc import Callable
 from typing import Any
 
-from elastic.errors import ConfigError
 from elastic.etcd import EtcdClient
 from elastic.rdzv.generation import DEFAULT_LINGER_S, end_run
 from elastic.rdzv.keys import JobKeys
@@ -21,6 +20,7 @@ from elastic.rdzv.leader import LeaderLoop, RunLimits
 from elastic.rdzv.node import NodeMembership
 from elastic.rdzv.records import EndRecord, NodeRecord, WorldRecord
 from elastic.rdzv.view import JobView
+from elastic_errors import ConfigError
 
 __all__ = ["RunMembership", "new_node_id", "registered_address"]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from elastic.errors import ConfigError
+from elastic_errors import ConfigError
 
 __all__ = ["JobKeys", "validate_job_id"]
 

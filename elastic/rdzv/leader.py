@@ -30,13 +30,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Final
 
-from elastic.errors import EtcdUnavailableError
 from elastic.etcd import EtcdClient, PrefixWatch, WatchEvent
 from elastic.rdzv.keys import JobKeys
 from elastic.rdzv.node import NodeMembership
 from elastic.rdzv.proposal import Change, classify, common_failure, laggards, next_world
 from elastic.rdzv.records import EndRecord, NodeRecord, WorldRecord, parse_nodes
 from elastic.rdzv.view import JobView
+from elastic_errors import EtcdUnavailableError
 
 __all__ = ["LeaderLoop", "LeaderStats", "RunLimits"]
 

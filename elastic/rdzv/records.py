@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Final, Literal
 
-from elastic.errors import ElasticError
+from elastic_errors import ElasticError
 
 __all__ = [
     "GENERATION_FORMAT",

@@ -30,7 +30,6 @@ from torch.distributed.elastic.rendezvous import (
 )
 from torch.distributed.elastic.rendezvous.api import RendezvousStoreInfo
 
-from elastic.errors import EtcdUnavailableError
 from elastic.etcd import EtcdClient
 from elastic.rdzv.config import RdzvConf
 from elastic.rdzv.generation import open_run
@@ -39,6 +38,7 @@ from elastic.rdzv.keys import JobKeys, validate_job_id
 from elastic.rdzv.leader import RunLimits
 from elastic.rdzv.records import EndRecord, NodeRecord, WorkerSlot, WorldRecord
 from elastic.store import EtcdV3Store
+from elastic_errors import EtcdUnavailableError
 
 __all__ = ["EtcdV3RendezvousHandler"]
 

@@ -19,8 +19,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from elastic.failures import is_peer_failure_type as is_peer_failure
 from elastic.inplace.abort import WorldAbort, WorldAbortedError, accelerator_backends
-from elastic.inplace.controller import is_peer_failure
 from elastic.process_group import NCCL_ASYNC_ERROR_HANDLING_ENV, set_nccl_error_handling
 
 _ABORT_AFTER_S = 0.5

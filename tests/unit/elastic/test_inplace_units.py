@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from checkpointing import CheckpointManager
-from elastic.inplace.controller import is_peer_failure_type
+from elastic.failures import is_peer_failure_type
 
 
 def test_only_collective_error_types_can_be_a_peers_failure_whatever_the_message() -> None:
