@@ -1,18 +1,33 @@
-"""Batch plans: a fixed global batch split into micro-batches and gradient accumulation.
+"""Batch plans: a fixed global batch split over any world size, in micro-batches.
 
-Rule for world sizes that do not divide the batch: the global batch is never changed. Each
-rank trains ``global_batch_size / world_size`` samples per optimizer step, so the world size
-must divide the global batch; the micro-batch is the largest size not above the requested one
-that divides that per-rank share, and the rest is gradient accumulation. If the world size does
-not divide the global batch, :func:`plan_batches` raises :class:`~elastic.errors.ConfigError`
-naming the global batch, the micro-batch and the world size, and suggesting the nearest world
-sizes that do.
+A spot cluster spends most of its life at world sizes that do not divide the global batch
+(3, 5, 6, 7 nodes ...), so nothing here requires that they do. For a global batch ``G`` on
+``W`` ranks:
+
+* **Shares** differ by at most one sample: ranks ``r < G % W`` train ``ceil(G / W)``
+  samples per step, the others ``floor(G / W)``. Within a step, rank ``r`` takes the step's
+  positions ``j`` with ``j % W == r`` (:class:`~elastic.sampler.ElasticSampler`).
+* **Micro-batches**: every rank runs the *same number* ``k`` of micro-batches per step, the
+  fewest that keep them at most the requested size ``m``: ``k = ceil(ceil(G / W) / m)``. They
+  are all of size ``m`` but the last, which holds the rest; only when a rank's share leaves
+  its last micro-batch empty do its last two split one sample off (``..., m - 1, 1``). Equal
+  counts matter: DDP broadcasts buffers (BatchNorm's) in every forward, and SyncBatchNorm
+  gathers in every forward, so ranks with different numbers of forwards would deadlock. A
+  prime share never falls back to micro-batches of 1. (Micro-batches of one sample are the
+  exception: a rank with a smaller share then runs one forward fewer.)
+* **Loss scaling**: a micro-batch of ``c`` samples whose loss is a *mean* over them is
+  multiplied by ``c * W / G`` (:meth:`BatchPlan.loss_scale_for`) before ``backward()``; after
+  DDP averages over the ``W`` ranks, the gradient is exactly the mean over the step's ``G``
+  samples, whatever the split.
+* ``W > G`` would leave ranks without a sample: it is refused, and the world is capped at
+  ``G`` workers instead (the rest wait as spares).
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from functools import cached_property
 
 from elastic_errors import ConfigError
 
@@ -21,44 +36,79 @@ __all__ = ["BatchPlan", "plan_batches"]
 logger = logging.getLogger(__name__)
 
 
-@dataclass(kw_only=True, slots=True, frozen=True)
+@dataclass(kw_only=True, frozen=True)
 class BatchPlan:
-    """How one optimizer step of ``global_batch_size`` samples is split over the world.
+    """How one optimizer step of ``global_batch_size`` samples is split over a world.
 
     Attributes:
         global_batch_size: Samples per optimizer step over all ranks (never changed).
-        micro_batch_size: Samples per forward/backward pass on one rank.
-        requested_micro_batch_size: The micro-batch the user asked for (an upper bound).
+        requested_micro_batch_size: The largest micro-batch the user allows (memory bound).
         world_size: Number of data-parallel ranks.
-        grad_accum_steps: Forward/backward passes per rank per optimizer step.
-        samples_per_rank: Samples one rank trains per optimizer step.
-        loss_scale: Multiply each micro-batch's mean loss by this before ``backward()`` so
-            that, after DDP averages gradients over ranks, the gradient is the mean over the
-            global batch. Equal to ``1 / grad_accum_steps``.
     """
 
     global_batch_size: int
-    micro_batch_size: int
     requested_micro_batch_size: int
     world_size: int
-    grad_accum_steps: int
-    samples_per_rank: int
-    loss_scale: float
 
     def __post_init__(self) -> None:
-        if (
-            self.world_size * self.samples_per_rank != self.global_batch_size
-            or self.micro_batch_size * self.grad_accum_steps != self.samples_per_rank
-            or self.micro_batch_size > self.requested_micro_batch_size
-        ):
-            raise ConfigError(f"inconsistent batch plan ({self!r}); build it with plan_batches().")
+        for name, value in (("global_batch_size", self.global_batch_size),
+                            ("micro_batch_size", self.requested_micro_batch_size),
+                            ("world_size", self.world_size)):
+            if value < 1:
+                raise ConfigError(f"{name} ({value}) must be a positive integer.")
+        if self.world_size > self.global_batch_size:
+            raise ConfigError(
+                f"world size ({self.world_size}) is larger than the global batch size "
+                f"({self.global_batch_size}), which would leave ranks without a sample; "
+                "use a larger global batch (the extra workers otherwise wait as spares)."
+            )
 
+    def share(self, rank: int) -> int:
+        """Samples ``rank`` trains per step (shares differ by at most one)."""
+        base, extra = divmod(self.global_batch_size, self.world_size)
+        return base + (1 if rank < extra else 0)
 
-def _nearest_divisors(value: int, around: int) -> list[int]:
-    divisors = [d for d in range(1, value + 1) if value % d == 0]
-    below = [d for d in divisors if d < around]
-    above = [d for d in divisors if d > around]
-    return below[-1:] + above[:1]
+    @cached_property
+    def micro_batch_size(self) -> int:
+        """The largest micro-batch of this world: what a ``DataLoader`` batches by."""
+        return min(self.requested_micro_batch_size, self.share(0))
+
+    @cached_property
+    def grad_accum_steps(self) -> int:
+        """Micro-batches per step, the same on every rank."""
+        return -(-self.share(0) // self.micro_batch_size)
+
+    def micro_batch_sizes(self, rank: int) -> tuple[int, ...]:
+        """The sizes of ``rank``'s micro-batches in one step (``grad_accum_steps`` of them)."""
+        share, size, count = self.share(rank), self.micro_batch_size, self.grad_accum_steps
+        sizes = [size] * (count - 1) + [share - size * (count - 1)]
+        if sizes[-1] < 1:  # one sample less than a full last batch: split one off
+            if sizes[-2] > 1:
+                sizes[-2] -= 1
+                sizes[-1] = 1
+            else:  # micro-batches of one sample: this rank has one forward fewer
+                sizes.pop()
+        return tuple(sizes)
+
+    @property
+    def even(self) -> bool:
+        """Whether every micro-batch of every rank has :attr:`micro_batch_size` samples."""
+        return (self.global_batch_size % self.world_size == 0
+                and self.share(0) % self.micro_batch_size == 0)
+
+    def loss_scale_for(self, count: int) -> float:
+        """The factor for a micro-batch of ``count`` samples whose loss is their mean."""
+        return count * self.world_size / self.global_batch_size
+
+    @property
+    def loss_scale(self) -> float:
+        """The factor of a full micro-batch (``micro_batch_size`` samples)."""
+        return self.loss_scale_for(self.micro_batch_size)
+
+    @property
+    def samples_per_rank(self) -> int:
+        """The largest share (all shares are equal when :attr:`even`)."""
+        return self.share(0)
 
 
 def plan_batches(global_batch_size: int, micro_batch_size: int, world_size: int) -> BatchPlan:
@@ -67,50 +117,18 @@ def plan_batches(global_batch_size: int, micro_batch_size: int, world_size: int)
     Args:
         global_batch_size: Samples per optimizer step over all ranks.
         micro_batch_size: Largest micro-batch a rank may run (memory bound).
-        world_size: Number of data-parallel ranks.
+        world_size: Number of data-parallel ranks (at most the global batch).
 
     Returns:
-        The plan; ``micro_batch_size`` may be smaller than requested (logged), the global
-        batch never differs.
+        The plan (see the module docstring).
 
     Raises:
-        ConfigError: If a value is not positive or ``world_size`` does not divide
-            ``global_batch_size``.
+        ConfigError: If a value is not positive or the world is larger than the batch.
     """
-    for name, value in (
-        ("global_batch_size", global_batch_size),
-        ("micro_batch_size", micro_batch_size),
-        ("world_size", world_size),
-    ):
-        if value < 1:
-            raise ConfigError(f"{name} ({value}) must be a positive integer.")
-    if global_batch_size % world_size != 0:
-        suggestions = " or ".join(str(d) for d in _nearest_divisors(global_batch_size, world_size))
-        raise ConfigError(
-            f"global batch size ({global_batch_size}) with micro batch size "
-            f"({micro_batch_size}) cannot be split evenly over world size ({world_size}); "
-            f"run on a world size that divides the global batch (e.g. {suggestions}) or "
-            "change the global batch size."
-        )
-    samples_per_rank = global_batch_size // world_size
-    micro = min(micro_batch_size, samples_per_rank)
-    while samples_per_rank % micro != 0:
-        micro -= 1
-    if micro != micro_batch_size:
-        logger.info(
-            "micro batch %d instead of %d so that %d ranks x micro x accumulation = %d",
-            micro,
-            micro_batch_size,
-            world_size,
-            global_batch_size,
-        )
-    accum = samples_per_rank // micro
-    return BatchPlan(
-        global_batch_size=global_batch_size,
-        micro_batch_size=micro,
-        requested_micro_batch_size=micro_batch_size,
-        world_size=world_size,
-        grad_accum_steps=accum,
-        samples_per_rank=samples_per_rank,
-        loss_scale=1.0 / accum,
-    )
+    plan = BatchPlan(global_batch_size=global_batch_size,
+                     requested_micro_batch_size=micro_batch_size, world_size=world_size)
+    if plan.micro_batch_size != micro_batch_size or not plan.even:
+        logger.info("global batch %d on %d ranks: shares %d-%d, %d micro-batches of up to %d",
+                    global_batch_size, world_size, plan.share(world_size - 1), plan.share(0),
+                    plan.grad_accum_steps, plan.micro_batch_size)
+    return plan

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import Sampler
 
+from elastic.batching import BatchPlan
 from elastic_errors import ConfigError
 
 __all__ = ["ElasticSampler"]
@@ -212,9 +213,11 @@ class ElasticSampler(Sampler[int]):
     def set_global_batch_size(self, global_batch_size: int) -> None:
         """Switches to an endless stream of fixed global batches (what :class:`ElasticLoop` uses).
 
-        The stream is the epoch orders one after another, starting at the cursor; each rank
-        yields ``stream[rank::world_size]`` without end, and :meth:`advance` rolls the cursor
-        into the next epoch. Every optimizer step therefore trains exactly
+        The stream is the epoch orders one after another, starting at the cursor (always a
+        step boundary); step ``s`` is the stream's positions ``[s * G, (s + 1) * G)``, and
+        rank ``r`` of ``W`` yields the step's positions ``j`` with ``j % W == r`` (so shares
+        differ by at most one, on any world size: :mod:`elastic.batching`). :meth:`advance`
+        rolls the cursor into the next epoch. Every optimizer step therefore trains exactly
         ``global_batch_size`` samples, with no padding, and each sample of each epoch exactly
         once. ``drop_last`` rule in this mode: when false, a step may straddle two epochs (the
         tail of one and the head of the next); when true, the last
@@ -223,7 +226,7 @@ class ElasticSampler(Sampler[int]):
 
         Raises:
             ConfigError: If the batch is not positive, or is larger than the dataset with
-                ``drop_last``, or the world size does not divide it.
+                ``drop_last``.
         """
         if global_batch_size < 1:
             raise ConfigError(f"global_batch_size ({global_batch_size}) must be positive.")
@@ -232,11 +235,6 @@ class ElasticSampler(Sampler[int]):
                 f"global batch size ({global_batch_size}) is larger than the dataset "
                 f"({self._dataset_size}) with drop_last=True, so no step could be trained; "
                 "use a smaller global batch or drop_last=False."
-            )
-        if global_batch_size % self._world_size != 0:
-            raise ConfigError(
-                f"global batch size ({global_batch_size}) is not divisible by world size "
-                f"({self._world_size}); use a world size that divides it."
             )
         self._global_batch = global_batch_size
 
@@ -252,16 +250,44 @@ class ElasticSampler(Sampler[int]):
         return self._dataset_size
 
     def _stream(self) -> Iterator[int]:
+        assert self._global_batch is not None
         epoch, start = self._epoch, self._consumed
         length = self._epoch_length()
-        position = 0
+        step, world, rank = self._global_batch, self._world_size, self._rank
+        position = 0  # from the cursor, which is a step boundary
         while True:
             order = self._order_of(epoch)[start:length].tolist()
             for index in order:
-                if position % self._world_size == self._rank:
+                if position % step % world == rank:
                     yield index
                 position += 1
             epoch, start = epoch + 1, 0
+
+    def micro_batches(self, plan: BatchPlan) -> Iterator[list[int]]:
+        """This rank's micro-batches of indices, step after step (stream mode): a batch
+        sampler for ``DataLoader(dataset, batch_sampler=...)``.
+
+        Each step yields ``plan.micro_batch_sizes(rank)`` batches. It snapshots the cursor
+        and the world when iteration starts: make a new one after a re-shard or a restore.
+
+        Raises:
+            ConfigError: Outside stream mode, or if ``plan`` is for another world.
+        """
+        if self._global_batch is None or plan.global_batch_size != self._global_batch:
+            raise ConfigError(
+                f"micro_batches() needs stream mode with the plan's global batch "
+                f"({plan.global_batch_size}); call set_global_batch_size() first."
+            )
+        if plan.world_size != self._world_size:
+            raise ConfigError(
+                f"the plan is for world size ({plan.world_size}) but the sampler is sharded "
+                f"for ({self._world_size}); reshard() it first."
+            )
+        sizes = plan.micro_batch_sizes(self._rank)
+        indices = self._stream()
+        while True:
+            for size in sizes:
+                yield [next(indices) for _ in range(size)]
 
     def stream_positions(self, count: int) -> list[tuple[int, int]]:
         """``(epoch, index)`` of the next ``count`` stream positions, over all ranks.
@@ -312,7 +338,11 @@ class ElasticSampler(Sampler[int]):
         real = self.remaining
         if self._global_batch is not None:
             real = max(0, self._epoch_length() - self._consumed)
-            return -(-(real - self._rank) // self._world_size) if real > self._rank else 0
+            steps, rest = divmod(real, self._global_batch)
+            base, extra = divmod(self._global_batch, self._world_size)
+            share = base + (1 if self._rank < extra else 0)
+            tail = -(-(rest - self._rank) // self._world_size) if rest > self._rank else 0
+            return steps * share + tail
         if self._drop_last:
             return real // self._world_size
         return -(-real // self._world_size)

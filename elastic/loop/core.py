@@ -192,7 +192,7 @@ class ElasticLoop:
         if controller is not None and os.environ.get(env.MODE, "auto") == "restart":
             controller = None
         self._inplace: Any = controller
-        if checkpoint is not None and checkpoint.events is None:
+        if checkpoint is not None and getattr(checkpoint, "events", None) is None:
             checkpoint.events = self._events
         if controller is not None:
             if checkpoint is not None:
@@ -217,7 +217,8 @@ class ElasticLoop:
         self._loader: Iterable[Any] | None = None
         self._batches_generation = ctx.generation if ctx is not None else 0
         self._step_started: float | None = None
-        self._micro: tuple[int, int] = (0, 1)  # the managed step's micro-batch: index, count
+        self._micro: tuple[int, int] = (0, 1)  # the step's current micro-batch: index, count
+        self._micro_size = self.plan.micro_batch_size  # its samples
         self._wrapper: ElasticModel | None = None
 
     # -- batch plan -------------------------------------------------------------------------
@@ -239,8 +240,21 @@ class ElasticLoop:
         return self.plan.loss_scale
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """``loss * loss_scale`` (``loss`` is a micro-batch's mean loss)."""
-        return loss * self.plan.loss_scale
+        """Scales the current micro-batch's *mean* loss for the global batch (by its own
+        sample count, so uneven shares still give the global batch's mean gradient)."""
+        return loss * self.plan.loss_scale_for(self._micro_size)
+
+    def batch_sampler(self) -> Iterable[list[int]]:
+        """This rank's micro-batches of indices, step after step: build the explicit way's
+        loader with ``DataLoader(dataset, batch_sampler=loop.batch_sampler())`` (any world
+        size; rebuild it when :attr:`micro_batch_size` or the world changes)."""
+        if self.sampler is None:
+            raise ConfigError("batch_sampler() needs the loop's sampler; pass sampler= to "
+                              "ElasticLoop.")
+        return _StepBatches(self.sampler, self.plan)
+
+    def _rank(self) -> int:
+        return self.ctx.rank if self.ctx is not None else 0
 
     def micro_batches(self, loader: Iterable[Any],
                       model: nn.Module | None = None) -> Iterator[Any]:
@@ -261,6 +275,12 @@ class ElasticLoop:
                 f"world ({self.plan.micro_batch_size}); build the loader with "
                 "batch_size=loop.micro_batch_size."
             )
+        if batch_size is not None and not self.plan.even:
+            raise ConfigError(
+                f"world size ({self.plan.world_size}) splits the global batch "
+                f"({self.global_batch_size}) unevenly, which a fixed DataLoader batch_size "
+                "cannot follow; build the loader with batch_sampler=loop.batch_sampler()."
+            )
         generation = self.ctx.generation if self.ctx is not None else 0
         if (self._batches is None or self._loader is not loader
                 or self._batches_generation != generation):
@@ -269,9 +289,11 @@ class ElasticLoop:
             shield_workers_from_sigterm(loader)
             self._batches = iter(loader)
         no_sync = getattr(model, "no_sync", None)
-        last = self.plan.grad_accum_steps - 1
-        for index in range(self.plan.grad_accum_steps):
+        sizes = self.plan.micro_batch_sizes(self._rank())
+        last = len(sizes) - 1
+        for index, size in enumerate(sizes):
             batch = next(self._batches)
+            self._micro, self._micro_size = (index, len(sizes)), size
             if no_sync is not None and index < last:
                 with no_sync():
                     yield batch
@@ -331,7 +353,7 @@ class ElasticLoop:
             return
         if self._inplace is not None and self._last_micro():
             self._inplace.reached_collective()
-        scaled = loss * self.plan.loss_scale
+        scaled = loss * self.plan.loss_scale_for(self._micro_size)
         if self._inplace is None:
             scaled.backward()  # type: ignore[no-untyped-call]
             return
@@ -356,10 +378,8 @@ class ElasticLoop:
             for _step in self:
                 self._declare()
                 loader = self._managed_loader()
-                count = self.plan.grad_accum_steps
                 with self.step_guard():
-                    for index, batch in enumerate(self.micro_batches(loader)):
-                        self._micro = (index, count)
+                    for batch in self.micro_batches(loader):
                         yield to_device(batch, self.ctx.device if self.ctx else
                                         torch.device("cpu"))
                         if self._abandoned:
@@ -374,10 +394,10 @@ class ElasticLoop:
     def _managed_loader(self) -> Iterable[Any]:
         from torch.utils.data import DataLoader
 
-        size = self.plan.micro_batch_size
         loader = self._loader
-        if loader is None or getattr(loader, "batch_size", None) != size:
-            loader = DataLoader(self._data, batch_size=size, sampler=self.sampler,
+        if loader is None or self._batches is None:
+            # A new world or a restore: the batch sampler snapshots the cursor and the split.
+            loader = DataLoader(self._data, batch_sampler=self.batch_sampler(),
                                 **self._loader_options)
             self._loader = loader
         return loader
@@ -661,6 +681,16 @@ class ElasticLoop:
         """Records an event: every rank's reaches its agent's metrics; the job's log keeps
         global rank 0's (durable): one copy per step (the steps are collective)."""
         self._events.record(event, durable=self.ctx is None or self.ctx.rank == 0, **fields)
+
+
+class _StepBatches:
+    """A re-iterable batch sampler: each iteration starts at the sampler's cursor."""
+
+    def __init__(self, sampler: ElasticSampler, plan: BatchPlan) -> None:
+        self._sampler, self._plan = sampler, plan
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return self._sampler.micro_batches(self._plan)
 
 
 def _tell_agent(kind: str, **fields: Any) -> None:

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils.data import DataLoader
 
-from elastic.errors import ConfigError
+from elastic_errors import ConfigError
 from elastic.sampler import ElasticSampler
 
 
@@ -28,11 +28,13 @@ def run_steps(
     stream order."""
     world = len(samplers)
     iterators = [iter(s) for s in samplers]
+    base, extra = divmod(global_batch, world)
     result = []
     for _ in range(steps):
-        shares = [[next(it) for _ in range(global_batch // world)] for it in iterators]
-        # Rank r's j-th index is stream position j * world + r: rebuild the stream order.
-        ids = [shares[rank][j] for j in range(global_batch // world) for rank in range(world)]
+        shares = [[next(it) for _ in range(base + (rank < extra))]
+                  for rank, it in enumerate(iterators)]
+        # The step's position j belongs to rank j % world, as its (j // world)-th index.
+        ids = [shares[j % world][j // world] for j in range(global_batch)]
         for sampler in samplers:
             sampler.advance(global_batch)
         result.append(ids)
@@ -61,8 +63,8 @@ def world_of(state: dict[str, object], size: int, world: int, batch: int, drop: 
 def test_any_sequence_of_world_sizes_and_restores_trains_each_sample_once_per_epoch(
     size: int, batch: int, data: st.DataObject, drop: bool, seed: int
 ) -> None:
-    # The batch plan only admits world sizes that divide the global batch (up to 64 here).
-    worlds = [w for w in range(1, min(64, size) + 1) if batch % w == 0]
+    # Any world size up to the global batch (and the dataset), divisor or not.
+    worlds = list(range(1, min(64, size, batch) + 1))
     segments = data.draw(
         st.lists(st.tuples(st.sampled_from(worlds), st.integers(0, 4)), min_size=1, max_size=6)
     )
@@ -126,8 +128,26 @@ def test_a_dataloader_with_workers_reads_the_endless_stream_in_micro_batches() -
     assert [i for batch in got for i in batch] == stream[1::2][:6]
 
 
-def test_a_world_that_does_not_divide_the_global_batch_is_refused() -> None:
+def test_micro_batches_cut_each_step_by_the_plan_on_an_uneven_world() -> None:
+    from elastic.batching import plan_batches
+
+    plan = plan_batches(7, 2, 3)  # shares 3, 2, 2; two micro-batches each
+    seen: list[int] = []
+    for rank in range(3):
+        sampler = ElasticSampler(20, seed=5, rank=rank, world_size=3)
+        sampler.set_global_batch_size(7)
+        batches = sampler.micro_batches(plan)
+        first_step = [next(batches), next(batches)]
+        assert [len(b) for b in first_step] == list(plan.micro_batch_sizes(rank))
+        seen.extend(i for b in first_step for i in b)
+    assert sorted(seen) == sorted(reference_order(20, 5, 0)[:7])
+
+
+def test_micro_batches_refuse_a_plan_for_another_world() -> None:
+    from elastic.batching import plan_batches
+
     sampler = ElasticSampler(10, rank=0, world_size=3)
-    with pytest.raises(ConfigError, match=r"^global batch size \(4\) is not divisible by world "
-                       r"size \(3\); use a world size that divides it\.$"):
-        sampler.set_global_batch_size(4)
+    sampler.set_global_batch_size(6)
+    with pytest.raises(ConfigError, match=r"^the plan is for world size \(2\) but the sampler "
+                       r"is sharded for \(3\); reshard\(\) it first\.$"):
+        next(sampler.micro_batches(plan_batches(6, 2, 2)))
