@@ -203,6 +203,8 @@ class NodeAgent:
         self._no_world_since = time.monotonic()
         self._pushed_lease_ok = True
         self._exhausted = False
+        self._stop_signal: int | None = None
+        self._stop_since: float | None = None
         self._said_done = False
         self._change_reason = "start"
         #: Worlds this node took part in (epochs), for tests and the report.
@@ -407,6 +409,13 @@ class NodeAgent:
             self._departure = notice
             self._wake.set()
 
+    def request_stop(self, signum: int) -> None:
+        """Stop on a signal (SIGTERM, SIGINT): the workers get it too and drain (a final
+        checkpoint, agreed by every rank), then this node leaves. Signal-safe: it only sets a
+        flag the main loop acts on."""
+        if self._stop_signal is None:
+            self._stop_signal = signum
+            self._wake.set()
     def run(self) -> AgentOutcome:
         """Runs this node's part of the job; returns how it ended."""
         keys = JobKeys(self.config.key_prefix, self.config.job_id)
@@ -457,6 +466,9 @@ class NodeAgent:
         self._check_lease(run)
         if self._lease_lost.is_set():
             return None
+        outcome = self._stop_if_signalled()
+        if outcome is not None:
+            return outcome
         self._reap()
         if self._exhausted:
             return AgentOutcome(
@@ -681,6 +693,8 @@ class NodeAgent:
         return values
 
     def _start(self, slot: _Slot, world: WorldRecord | None) -> None:
+        if self._stop_signal is not None or self._departure is not None:
+            return  # leaving: no new worker
         env_vars = self._env_for(slot, world)
         slot.process = SlotProcess.start(self.command, slot.local_rank, slot.incarnation,
                                          env_vars)
@@ -894,6 +908,30 @@ class NodeAgent:
                            drain_s=round(now - self._departing_since, 3))
         return AgentOutcome(0, "departed", f"left the job on a "
                             f"{getattr(notice, 'source', 'preemption')} notice.")
+
+    def _stop_if_signalled(self) -> AgentOutcome | None:
+        """Passes a stop signal on to the workers, waits for them (up to the shutdown grace),
+        then ends this node's part with ``128 + signal`` (as torchrun does)."""
+        signum = self._stop_signal
+        if signum is None:
+            return None
+        now = time.monotonic()
+        with self._lock:
+            running = [s.process for s in self._slots
+                       if s.process is not None and s.process.exit_code() is None]
+            if self._stop_since is None:
+                self._stop_since = now
+                logger.warning("signal %d: stopping this node's workers (they drain at the "
+                               "next step boundary) and leaving the job", signum)
+                for process in running:
+                    process.terminate()
+        if running and now - self._stop_since < self.config.shutdown_grace:
+            return None
+        if running:
+            stop_all(running, 0.0)
+        return AgentOutcome(128 + signum, "signal",
+                            f"stopped by signal {signum} (workers "
+                            f"{'killed' if running else 'drained'}).")
 
     def _leave_exhausted(self) -> None:
         self._kill_all()

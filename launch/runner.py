@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
@@ -157,6 +158,9 @@ def run(args: argparse.Namespace) -> int:
     agent.preemption_watch = [w.source for w in watchers]
     monitor = PreemptionMonitor(watchers)
     monitor.start(agent.request_departure)  # main thread: the SIGTERM watcher needs it
+    if "sigterm" not in agent.preemption_watch:
+        signal.signal(signal.SIGTERM, lambda signum, _frame: agent.request_stop(signum))
+    signal.signal(signal.SIGINT, lambda signum, _frame: agent.request_stop(signum))
     outcome, code = "failed", 1
     try:
         result = agent.run()

@@ -61,6 +61,7 @@ from elastic import env
 from elastic.batching import BatchPlan, plan_batches
 from elastic.boundary_flags import BoundaryFlags
 from elastic.eventlog import EventLog
+from elastic.loop.audit import IndexedCollate, IndexedDataset, SampleAudit
 from elastic.loop.loop_state import LOOP_KEY, LoopState, optimizers_in, python_rng_state
 from elastic.loop.replicas import ElasticModel, Replicas, to_device
 from elastic.loop.saves import SaveSchedule
@@ -219,6 +220,7 @@ class ElasticLoop:
         self._step_started: float | None = None
         self._micro: tuple[int, int] = (0, 1)  # the step's current micro-batch: index, count
         self._micro_size = self.plan.micro_batch_size  # its samples
+        self._audit = SampleAudit.from_env() if managed else None
         self._wrapper: ElasticModel | None = None
 
     # -- batch plan -------------------------------------------------------------------------
@@ -378,14 +380,22 @@ class ElasticLoop:
             for _step in self:
                 self._declare()
                 loader = self._managed_loader()
+                self._audit_world(_step)
                 with self.step_guard():
                     for batch in self.micro_batches(loader):
+                        if self._audit is not None:
+                            ids, batch = batch
+                            self._audit.batch(generation=self._generation(), step=_step,
+                                              rank=self._rank(), ids=ids)
                         yield to_device(batch, self.ctx.device if self.ctx else
                                         torch.device("cpu"))
                         if self._abandoned:
                             break
                     if not self._abandoned:
                         self._optimizer_step()
+                        if self._audit is not None:
+                            self._audit.done(generation=self._generation(), step=_step,
+                                             rank=self._rank(), world=self.plan.world_size)
                         self.end_step()
         finally:
             if entered:
@@ -397,10 +407,26 @@ class ElasticLoop:
         loader = self._loader
         if loader is None or self._batches is None:
             # A new world or a restore: the batch sampler snapshots the cursor and the split.
-            loader = DataLoader(self._data, batch_sampler=self.batch_sampler(),
-                                **self._loader_options)
+            data, options = self._data, dict(self._loader_options)
+            if self._audit is not None:  # the indices travel with the samples
+                data = IndexedDataset(data)
+                options["collate_fn"] = IndexedCollate(options.get("collate_fn"))
+            loader = DataLoader(data, batch_sampler=self.batch_sampler(), **options)
             self._loader = loader
         return loader
+
+    def _generation(self) -> int:
+        return self.ctx.generation if self.ctx is not None else 0
+
+    def _audit_world(self, step: int) -> None:
+        if self._audit is None:
+            return
+        heal = getattr(self._inplace, "last_heal", None) if self._inplace else None
+        self._audit.world(generation=self._generation(), rank=self._rank(),
+                          world=self.plan.world_size, step=step,
+                          storage_loads=self.storage_loads,
+                          received=bool(heal and heal.received),
+                          source=heal.source if heal else -1)
 
     def _optimizer_step(self) -> None:
         assert self.optimizer is not None and self._module is not None
