@@ -35,6 +35,7 @@ from torch.utils.data import DataLoader
 import elastic
 from checkpointing import CheckpointManager, ModelOptimizerState
 from tests.integration.training.worker import Synthetic
+from tests.support.hang import maybe_hang
 
 _GATE_POLL_S = 0.02
 
@@ -113,6 +114,7 @@ def main() -> int:
                 _hold(args.gate_file, step, lambda: ctx.inplace is not None
                       and ctx.inplace.change_pending())
                 time.sleep(args.step_time)
+                maybe_hang()  # a test may hold this rank here (ELASTIC_TEST_HANG_FILE)
                 if loader is None or loader.batch_size != loop.micro_batch_size:
                     loader = DataLoader(dataset, batch_size=loop.micro_batch_size,
                                         sampler=sampler)

@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils.data import DataLoader
 
-from elastic_errors import ConfigError
 from elastic.sampler import ElasticSampler
+from elastic_errors import ConfigError
 
 
 def reference_order(dataset_size: int, seed: int, epoch: int) -> list[int]:
