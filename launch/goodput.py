@@ -326,8 +326,11 @@ def split_change(
     # No agent round (in place): forming the new world and healing count as restore.
     began = max(t for t, _ in rounds_in) if rounds_in else detected
     # What the agents saw (a lost node, a crash) outranks a round's own label: in place,
-    # a round that admits nobody new can still be labelled node_joined.
-    reasons = [r for _, r in rounds_in if r != "start"] + [
+    # a round that admits nobody new can still be labelled node_joined. The round's cause
+    # counts even when it reached this node before its workers noticed anything (the
+    # world's cause is the job's, the same on every node).
+    labelled = [(t, r) for t, r in starts if ended <= t <= resumed]
+    reasons = [r for _, r in labelled if r != "start"] + [
         {"peer_departed": "planned_departure"}.get(kind, kind) for _, kind in seen]
     if reasons:
         reason = min(reasons, key=lambda r: _REASON_ORDER.index(r)

@@ -41,8 +41,8 @@ elastic_run_events_dropped_total           counter   records lost, by ``where``:
 Per node, not per job: each agent counts the steps of its own workers (each step once, however
 many workers it has), so a job's step rate is ``max by (job_id)`` of the nodes' rates, not
 their sum. A membership change is counted by every node that lived through it, with the kind
-and recovery that node saw (the node whose worker crashed: ``worker_failed``; the survivors in
-place: ``peer_failed``, then ``node_joined`` when the replacement is admitted); the recovery is
+the job's cause of the change (a worker crash is ``worker_failed`` on every node, then
+``node_joined`` when the replacement is admitted) and the recovery that node saw; the recovery is
 split exactly as ``elastic-run goodput`` splits it (:func:`launch.goodput.split_change`).
 """
 

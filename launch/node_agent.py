@@ -94,6 +94,9 @@ class AgentConfig:
         linger: Seconds the run's end record stays for nodes that come late.
         worker_env: Extra environment for every worker (in-place tuning, events, ...).
         metrics_port: The agent's Prometheus port, published in the node record.
+        build_timeout: Seconds a world's process groups wait for every member
+            (``--inplace-build-timeout``); after a failed build the leader waits at most this
+            long for the other members' builds to fail too before writing the world again.
     """
 
     job_id: str
@@ -113,6 +116,7 @@ class AgentConfig:
     linger: int = 60
     worker_env: Mapping[str, str] = field(default_factory=dict)
     metrics_port: int | None = None
+    build_timeout: float = 10.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -198,6 +202,7 @@ class NodeAgent:
         self._departing_since: float | None = None
         self._last_world: WorldRecord | None = None
         self._failure_note: dict[str, Any] | None = None
+        self._failed_build: int | None = None
         self._max_world: int | None = None
         self._restarts = 0
         self._no_world_since = time.monotonic()
@@ -252,6 +257,7 @@ class NodeAgent:
                 max_world=self._max_world,
                 departing=self._departure_note(),
                 waiting=self._waiting_note(), failure=self._failure_note,
+                failed_build=self._failed_build,
                 restarts=self._restarts,
                 done=all(s.finished for s in self._slots),
                 metrics_port=self.config.metrics_port,
@@ -266,7 +272,7 @@ class NodeAgent:
         try:
             run.update(**{f: getattr(record, f) for f in (
                 "store_port", "workers", "max_world", "departing", "waiting", "failure",
-                "restarts", "done")})
+                "failed_build", "restarts", "done")})
         except EtcdUnavailableError as exc:
             logger.warning("could not publish this node's record (%s)", exc)
 
@@ -337,6 +343,11 @@ class NodeAgent:
             elif kind == "resumed":
                 publish = slot.waiting is not None
                 slot.waiting = None
+            elif kind == "build_failed":
+                epoch = int(message.get("epoch", -1))
+                if self._failed_build is None or epoch > self._failed_build:
+                    self._failed_build = epoch
+                    publish = True
             elif kind == "failure":
                 slot.report = dict(message)
             elif kind == "drained":
@@ -425,7 +436,7 @@ class NodeAgent:
         self._run = RunMembership(
             self.client, opened.keys,
             limits=RunLimits(self.config.min_nodes, self.config.max_nodes,
-                             self.config.last_call),
+                             self.config.last_call, rebuild_after=self.config.build_timeout),
             ttl=self.config.ttl, linger=self.config.linger, on_change=self._push_world,
             on_lease_lost=self._lease_lost.set)
         self._start_slots_for_join()

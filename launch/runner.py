@@ -138,7 +138,7 @@ def run(args: argparse.Namespace) -> int:
         mode=args.elastic_mode, shutdown_grace=float(config.shutdown_timeout or 30),
         drain_timeout=args.preemption_drain_timeout, linger=conf.linger,
         worker_env={**_worker_env(args), **telemetry.worker_env},
-        metrics_port=telemetry.metrics_port,
+        metrics_port=telemetry.metrics_port, build_timeout=args.inplace_build_timeout,
     )
     _log_config({
         "script": args.training_script,

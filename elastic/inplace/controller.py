@@ -40,7 +40,7 @@ from elastic.agent_link import AgentLink
 from elastic.context import ElasticContext, World
 from elastic.failures import is_peer_failure_type
 from elastic.inplace.abort import WorldAbort
-from elastic.inplace.groups import abort_groups, build_groups, standby_groups
+from elastic.inplace.groups import abort_groups, build_groups, set_group_timeout, standby_groups
 from elastic.inplace.heal import HealResult, agree_and_heal
 from elastic.process_group import ProcessGroups
 from elastic.rdzv.records import WorldRecord
@@ -290,13 +290,13 @@ class InPlaceController:
                            str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__)
             abort_groups(guard)
             self._building = None
+            # Nobody else may know (the others may be waiting for this worker): the leader
+            # writes this world again once its members' builds have all ended.
+            self.link.send("build_failed", epoch=world.epoch)
             return None
         self._building = None
         if self.train_timeout is not None:
-            set_timeout = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
-            if set_timeout is not None:  # local: no barrier needed to *raise* a timeout
-                set_timeout(self.train_timeout, groups.default)
-                set_timeout(self.train_timeout, groups.checkpoint)
+            set_group_timeout(self.train_timeout, groups.default, groups.checkpoint)
         self.world = world
         self.reconfigurations += 1
         logger.info("world epoch %d built in %.3fs: rank %d of %d", world.epoch,

@@ -1,9 +1,10 @@
 """Tear down and rebuild the process groups of a worker that stays alive.
 
-Each world (epoch) gets fresh groups whose rendezvous runs on etcd
-(``PrefixStore(f"e{epoch}/", EtcdV3Store)``), so no survivor hosts a store the others depend
-on and a new epoch can never read an old epoch's addresses. Building a 2-rank gloo world this
-way takes about 30 ms on loopback.
+Each world (epoch) gets fresh groups whose rendezvous runs on the TCPStore server the world
+names (``PrefixStore(f"e{epoch}/", TCPStore)``), hosted by a member node's agent, never by a
+worker: a worker's crash never takes the store down, and a fresh server per world means a new
+epoch can never read an old epoch's addresses. Building a 2-rank gloo world this way takes
+about 30 ms on loopback.
 
 Tear-down must not hang on a dead peer. gloo raises at once when a peer's connection resets
 (a SIGKILLed process), and destroying its groups is local. NCCL communicators can block in
@@ -21,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from datetime import timedelta
+from typing import Final
 
 import torch
 import torch.distributed as dist
@@ -29,9 +31,18 @@ from torch._C._distributed_c10d import HashStore, PrefixStore, Store
 from elastic.inplace.abort import WorldAbort
 from elastic.process_group import ProcessGroups, set_nccl_error_handling
 
-__all__ = ["abort_groups", "build_groups", "standby_groups"]
+__all__ = ["GLOO_CONNECT_WAIT_FACTOR", "abort_groups", "build_groups", "set_group_timeout",
+           "standby_groups"]
 
 logger = logging.getLogger(__name__)
+
+#: How many times its timeout gloo (torch 2.13) waits for a peer that should connect to it:
+#: a 4 s group waited 20 s, a 40 s group 200 s, for a peer that died after publishing its
+#: address (measured here).
+GLOO_CONNECT_WAIT_FACTOR: Final = 5.0
+#: The timeout groups are built with once every member is known to be there (connecting
+#: takes milliseconds then); a member that dies meanwhile costs at most 5x this.
+_CONNECT_TIMEOUT_S: Final = 2.0
 
 
 def build_groups(
@@ -55,16 +66,51 @@ def build_groups(
     store.set_timeout(timeout)
     _reset_group_names()
     prefixed = PrefixStore(f"e{epoch}/", store)
+    # gloo waits for a peer that should connect to it for GLOO_CONNECT_WAIT_FACTOR times the
+    # group's timeout, and nothing can cut that wait short (it waits on no socket): a member
+    # that died between publishing its address and connecting would hold this build 5x
+    # longer than asked. So the members first meet on the store, which waits the whole
+    # timeout and which an abort cuts short (its connection is severed); once all are there
+    # the groups are built with a short timeout, then given the full one.
+    _meet(prefixed, world_size, timeout)
+    connect = timedelta(seconds=min(timeout.total_seconds(), _CONNECT_TIMEOUT_S))
     dist.init_process_group(
-        backend, store=prefixed, rank=rank, world_size=world_size, timeout=timeout,
+        backend, store=prefixed, rank=rank, world_size=world_size,
+        timeout=connect if backend == "gloo" else timeout,
         device_id=device if device.type == "cuda" else None,
     )
     default = dist.group.WORLD
     assert default is not None
-    checkpoint = dist.new_group(backend="gloo", timeout=timeout)
+    checkpoint = dist.new_group(backend="gloo", timeout=connect)
+    set_group_timeout(timeout, default, checkpoint)
     if world_abort is not None:
         world_abort.built(default, checkpoint)
     return ProcessGroups(backend=backend, default=default, checkpoint=checkpoint)
+
+
+def _meet(store: Store, world_size: int, timeout: timedelta) -> None:
+    """Returns once every one of ``world_size`` members called it on ``store`` (a barrier).
+
+    Raises:
+        torch.distributed.DistStoreError: If a member did not come within ``timeout``.
+    """
+    if store.add("arrived", 1) == world_size:
+        store.set("all_arrived", "1")
+    store.wait(["all_arrived"], timeout)
+
+
+def set_group_timeout(timeout: timedelta, *groups: dist.ProcessGroup) -> None:
+    """Sets the collective timeout of built ``groups`` (locally: no barrier).
+
+    Uses ``torch.distributed.distributed_c10d._set_pg_timeout`` (private, present since torch
+    2.2); without it the groups keep the timeout they were built with.
+    """
+    set_timeout = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
+    if set_timeout is None:
+        logger.warning("torch has no _set_pg_timeout: groups keep their build timeout")
+        return
+    for group in groups:
+        set_timeout(timeout, group)
 
 
 def standby_groups(backend: str, device: torch.device, timeout: timedelta) -> ProcessGroups:

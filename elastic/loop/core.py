@@ -14,7 +14,7 @@ The explicit one leaves each step to the script (its optimizer, its loader); in 
 step's body must then be inside ``with loop.step_guard():``::
 
     with elastic.ElasticLoop(ctx, state=..., checkpoint=mgr, sampler=sampler, ...) as loop:
-        loader = DataLoader(dataset, batch_size=loop.micro_batch_size, sampler=sampler)
+        loader = DataLoader(dataset, batch_sampler=loop.batch_sampler())  # any world size
         for step in loop:
             with loop.step_guard():
                 model_ddp = loop.data_parallel(model)
@@ -49,7 +49,7 @@ import logging
 import os
 import random
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from datetime import timedelta
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
@@ -248,12 +248,13 @@ class ElasticLoop:
 
     def batch_sampler(self) -> Iterable[list[int]]:
         """This rank's micro-batches of indices, step after step: build the explicit way's
-        loader with ``DataLoader(dataset, batch_sampler=loop.batch_sampler())`` (any world
-        size; rebuild it when :attr:`micro_batch_size` or the world changes)."""
+        loader once with ``DataLoader(dataset, batch_sampler=loop.batch_sampler())``; it
+        works at any world size and follows every world change (:meth:`micro_batches`
+        starts a new pass over it, at the sampler's cursor, under the new world's plan)."""
         if self.sampler is None:
             raise ConfigError("batch_sampler() needs the loop's sampler; pass sampler= to "
                               "ElasticLoop.")
-        return _StepBatches(self.sampler, self.plan)
+        return _StepBatches(self.sampler, lambda: self.plan)
 
     def _rank(self) -> int:
         return self.ctx.rank if self.ctx is not None else 0
@@ -275,7 +276,7 @@ class ElasticLoop:
             raise ConfigError(
                 f"DataLoader batch_size ({batch_size}) differs from the micro batch of this "
                 f"world ({self.plan.micro_batch_size}); build the loader with "
-                "batch_size=loop.micro_batch_size."
+                "batch_sampler=loop.batch_sampler(), which follows every world."
             )
         if batch_size is not None and not self.plan.even:
             raise ConfigError(
@@ -710,13 +711,14 @@ class ElasticLoop:
 
 
 class _StepBatches:
-    """A re-iterable batch sampler: each iteration starts at the sampler's cursor."""
+    """A re-iterable batch sampler: each pass starts at the sampler's cursor, under the
+    loop's plan of that moment (the world may have changed since the loader was built)."""
 
-    def __init__(self, sampler: ElasticSampler, plan: BatchPlan) -> None:
+    def __init__(self, sampler: ElasticSampler, plan: Callable[[], BatchPlan]) -> None:
         self._sampler, self._plan = sampler, plan
 
     def __iter__(self) -> Iterator[list[int]]:
-        return self._sampler.micro_batches(self._plan)
+        return self._sampler.micro_batches(self._plan())
 
 
 def _tell_agent(kind: str, **fields: Any) -> None:

@@ -15,7 +15,12 @@ it by compare-and-swap on the world key's revision:
 * every member reporting the same failure at the same step (the script's own bug) ends the
   run at once (:func:`~elastic.rdzv.proposal.common_failure`);
 * workers every other worker waits for (the progress rule) are left out of the next world
-  (:func:`~elastic.rdzv.proposal.laggards`).
+  (:func:`~elastic.rdzv.proposal.laggards`);
+* a world whose process groups a member could not build (a member came too late, or died
+  during the build) is written again under the next epoch, with a fresh store, once every
+  member node reports the failed build or ``rebuild_after`` seconds after the first report
+  (:func:`~elastic.rdzv.proposal.failed_builds`): otherwise every member would wait for a
+  newer world that no membership change brings.
 
 A CAS the leader loses (a deposed leader, a duplicate after a retry) costs nothing: the watch
 brings the winner's world and the loop decides again from it.
@@ -33,7 +38,14 @@ from typing import Final
 from elastic.etcd import EtcdClient, PrefixWatch, WatchEvent
 from elastic.rdzv.keys import JobKeys
 from elastic.rdzv.node import NodeMembership
-from elastic.rdzv.proposal import Change, classify, common_failure, laggards, next_world
+from elastic.rdzv.proposal import (
+    Change,
+    classify,
+    common_failure,
+    failed_builds,
+    laggards,
+    next_world,
+)
 from elastic.rdzv.records import EndRecord, NodeRecord, WorldRecord, parse_nodes
 from elastic.rdzv.view import JobView
 from elastic_errors import EtcdUnavailableError
@@ -53,11 +65,15 @@ class RunLimits:
         min_nodes: Fewest nodes a world trains with.
         max_nodes: Most nodes a world takes (the rest wait).
         last_call: Seconds a growing proposal must stay unchanged before it is written.
+        rebuild_after: Longest wait, after a member reported a failed build of the current
+            world, for the other members' builds to end before the world is written again
+            (the workers' build timeout: by then every member's build has ended).
     """
 
     min_nodes: int
     max_nodes: int
     last_call: float = 1.0
+    rebuild_after: float = 10.0
 
 
 @dataclass
@@ -102,6 +118,8 @@ class LeaderLoop:
         #: and deciding from the older one would write a duplicate that can only fail.
         self._written: WorldRecord | None = None
         self._evicting: tuple[str, ...] = ()
+        #: (epoch, when) of the first failed build reported for the current world.
+        self._rebuild_since: tuple[int, float] | None = None
         self.stats = LeaderStats()
         self.leading = False
         view.add_listener(self._wake.set)
@@ -216,6 +234,13 @@ class LeaderLoop:
                 self._write(empty.with_changes(mode=current.mode), current)
                 return 0.0
         change = classify(current, proposal)
+        if change is Change.NONE and current is not None and proposal is not None:
+            wait = self._rebuild_wait(current, nodes)
+            if wait == 0.0:
+                self._write(proposal.with_changes(mode=current.mode, cause="rebuild"), current)
+                return 0.0
+            if wait is not None:
+                return wait
         if change is Change.NONE:
             self._pending = None
             if (proposal is not None and current is not None and current.mode == "restart"
@@ -247,6 +272,21 @@ class LeaderLoop:
             self._write(proposal, current)
             return 0.0
         return self._remaining_settle()
+
+    def _rebuild_wait(self, current: WorldRecord, nodes: Sequence[NodeRecord]
+                      ) -> float | None:
+        """``None`` if no member failed to build ``current``; else the seconds until it is
+        written again (0: now)."""
+        failed, everyone = failed_builds(current, nodes)
+        if not failed:
+            self._rebuild_since = None
+            return None
+        if self._rebuild_since is None or self._rebuild_since[0] != current.epoch:
+            self._rebuild_since = (current.epoch, time.monotonic())
+        if everyone:
+            return 0.0
+        return max(0.0, self._limits.rebuild_after
+                   - (time.monotonic() - self._rebuild_since[1]))
 
     def _settled(self, proposal: WorldRecord, nodes: Sequence[NodeRecord]) -> bool:
         """Whether ``proposal`` stayed the same for the last call (or nobody else can come)."""

@@ -13,7 +13,7 @@ from enum import Enum
 
 from elastic.rdzv.records import NodeRecord, WorldMember, WorldRecord, worker_id
 
-__all__ = ["Change", "classify", "common_failure", "laggards", "next_world"]
+__all__ = ["Change", "classify", "common_failure", "failed_builds", "laggards", "next_world"]
 
 
 def _candidates(nodes: Sequence[NodeRecord], current: WorldRecord | None,
@@ -199,3 +199,19 @@ def laggards(world: WorldRecord, nodes: Sequence[NodeRecord]) -> tuple[str, ...]
     if not behind or len(behind) * 2 > len(everyone):
         return ()
     return behind
+
+
+def failed_builds(world: WorldRecord, nodes: Sequence[NodeRecord]) -> tuple[set[str], bool]:
+    """The member nodes of ``world`` that could not build its process groups, and whether
+    that is every live member node (then nobody is still building it).
+
+    Only an in-place world with members counts: a restart-mode world restarts its workers
+    anyway, and an empty world has no groups.
+    """
+    if not world.members or world.mode != "inplace":
+        return set(), False
+    by_node = {n.node: n for n in nodes}
+    live = [m.node for m in world.members if m.node in by_node]
+    failed = {node for node in live
+              if (epoch := by_node[node].failed_build) is not None and epoch >= world.epoch}
+    return failed, bool(failed) and len(failed) == len(live)

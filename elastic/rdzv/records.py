@@ -157,6 +157,10 @@ class NodeRecord:
         waiting: ``{"epoch", "step", "workers"}`` while local workers of that world wait in
             the step's collective for longer than the hang threshold (progress rule).
         failure: ``{"epoch", "step", "error"}``: the last exception a local worker died with.
+        failed_build: The newest world epoch a local worker could not build its process
+            groups for (a member did not come in time), or ``None``: the leader then writes
+            the same world again under a new epoch, so nobody waits for a world that never
+            comes.
         restarts: Worker crashes of this node so far.
         done: Every worker of the node finished training (its part of the run is over).
         metrics_port: Port of the agent's Prometheus endpoint, or ``None``.
@@ -174,6 +178,7 @@ class NodeRecord:
     departing: dict[str, Any] | None = None
     waiting: dict[str, Any] | None = None
     failure: dict[str, Any] | None = None
+    failed_build: int | None = None
     restarts: int = 0
     done: bool = False
     metrics_port: int | None = None
@@ -194,7 +199,8 @@ class NodeRecord:
             "agent_pid": self.agent_pid, "store_port": self.store_port,
             "probe_port": self.probe_port, "workers": [w.to_json() for w in self.workers],
             "max_world": self.max_world, "departing": self.departing, "waiting": self.waiting,
-            "failure": self.failure, "restarts": self.restarts, "done": self.done,
+            "failure": self.failure, "failed_build": self.failed_build,
+            "restarts": self.restarts, "done": self.done,
             "metrics_port": self.metrics_port,
         })
 
@@ -217,6 +223,7 @@ class NodeRecord:
             departing=_optional(data, "departing", dict, key),
             waiting=_optional(data, "waiting", dict, key),
             failure=_optional(data, "failure", dict, key),
+            failed_build=_optional(data, "failed_build", int, key),
             restarts=_field(data, "restarts", int, key),
             done=_field(data, "done", bool, key),
             metrics_port=_optional(data, "metrics_port", int, key),

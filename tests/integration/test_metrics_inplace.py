@@ -9,8 +9,9 @@ in):
 
 * node 1 (its worker crashed, its agent restarted it): one change, ``worker_failed``, and one
   worker restart;
-* nodes 0 and 2 (survivors, never restarted): ``peer_failed`` when the survivors went on
-  without the dead worker, then ``node_joined`` when they admitted the replacement;
+* nodes 0 and 2 (survivors, never restarted): the same ``worker_failed`` (the job's cause of
+  the change, whichever came first on that node: its workers' failed collective or the new
+  world), then ``node_joined`` when they admitted the replacement;
 * each change adds one observation to every recovery part, and the parts add up to the total.
 """
 
@@ -131,7 +132,7 @@ def test_the_change_counters_move_by_exactly_the_worker_kill(
             assert moved == {"worker_failed": 1}, moved
             assert _delta(after[n], before[n], "elastic_run_worker_restarts_total") == 1
         else:
-            assert moved == {"peer_failed": 1, "node_joined": worlds - 1}, (n, moved)
+            assert moved == {"worker_failed": 1, "node_joined": worlds - 1}, (n, moved)
             assert _delta(after[n], before[n], "elastic_run_worker_restarts_total") == 0
         for part in PARTS:
             assert _delta(after[n], before[n], "elastic_run_recovery_seconds_count",

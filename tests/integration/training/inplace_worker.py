@@ -115,9 +115,8 @@ def main() -> int:
                       and ctx.inplace.change_pending())
                 time.sleep(args.step_time)
                 maybe_hang()  # a test may hold this rank here (ELASTIC_TEST_HANG_FILE)
-                if loader is None or loader.batch_size != loop.micro_batch_size:
-                    loader = DataLoader(dataset, batch_size=loop.micro_batch_size,
-                                        sampler=sampler)
+                if loader is None:  # one loader: it follows every world (any size)
+                    loader = DataLoader(dataset, batch_sampler=loop.batch_sampler())
                 ddp = loop.data_parallel(model)
                 for x, y, index in loop.micro_batches(loader, ddp):
                     log(kind="batch", gen=ctx.generation, step=step, rank=ctx.rank,

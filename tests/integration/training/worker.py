@@ -115,7 +115,7 @@ def main() -> int:
     ) as loop:
         print(f"[worker] rank={ctx.rank} world={ctx.world_size} resumed_from={loop.step}",
               flush=True)
-        loader = DataLoader(dataset, batch_size=loop.micro_batch_size, sampler=sampler,
+        loader = DataLoader(dataset, batch_sampler=loop.batch_sampler(),
                             num_workers=args.workers)
         released = threading.Event()
         _release_on_sigterm(released)
