@@ -26,8 +26,10 @@ With NCCL, aborting a communicator **does not raise** in the training thread for
 queued: the stream is released and the collective's output is garbage. ``TORCH_NCCL_ASYNC_
 ERROR_HANDLING=0`` (see :mod:`elastic.process_group`) keeps the watchdog from tearing the
 process down, so the owner must call :meth:`WorldAbort.check` after the host has seen the
-step's collectives complete and before the step counts as done (before ``optimizer.step()``,
-after a stream synchronisation): a step whose world was aborted is abandoned, never applied.
+step's collectives complete and before the step counts as done: a step whose world was
+aborted is abandoned, never applied. The flag is set, and the ``on_abort`` callback has run,
+before any communicator is aborted, so a stream the host saw finish while the flag was clear
+finished on real collectives (:mod:`~elastic.inplace.step_fence` builds on that).
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from typing import Any
 
 import torch
@@ -91,11 +93,15 @@ class WorldAbort:
         skip_fds: File descriptors never to shut down (a channel to the node agent);
             consulted at each sever, so the owner may add to it later.
         name: Names the world in log lines (``"epoch 7"``).
+        on_abort: Called by the first :meth:`abort` after the flag is set and before anything
+            is torn down, unless the groups were released (the step fence notes then which
+            queued steps had not finished); it must be quick, and it must not raise.
     """
 
     def __init__(self, *, skip_ports: Collection[int] = (), skip_fds: Collection[int] = (),
-                 name: str = "") -> None:
+                 name: str = "", on_abort: Callable[[], None] | None = None) -> None:
         self.name = name
+        self._on_abort = on_abort
         self._before = socket_inodes()
         self._skip_ports = frozenset(skip_ports)
         self._skip_fds = skip_fds
@@ -159,6 +165,13 @@ class WorldAbort:
                 logger.info("world %s aborted after its groups were released (%s)",
                             self.name, reason)
                 return
+            if self._on_abort is not None:
+                # Under the work lock: release() waits, so this never runs on the steps
+                # of a later world.
+                try:
+                    self._on_abort()
+                except Exception:
+                    logger.exception("the abort callback of world %s failed", self.name)
             sockets = self._sockets
             if sockets is None:  # still building: whatever it opened so far
                 sockets = opened_since(self._before, skip_ports=self._skip_ports,

@@ -42,6 +42,7 @@ from elastic.failures import is_peer_failure_type
 from elastic.inplace.abort import WorldAbort
 from elastic.inplace.groups import abort_groups, build_groups, set_group_timeout, standby_groups
 from elastic.inplace.heal import HealResult, agree_and_heal
+from elastic.inplace.step_fence import STEP_FENCE_ENV, StepFence, step_fence_from_env
 from elastic.process_group import ProcessGroups
 from elastic.rdzv.records import WorldRecord
 from elastic_errors import ConfigError, ElasticError
@@ -53,13 +54,14 @@ class ElasticLoop(Protocol):
     step: int
     has_state: bool
     global_batch_size: int
+    checkpoint: Any  # a CheckpointManager or None
 
     def heal_state(self) -> dict[str, Any]: ...
     def world_changed(self) -> None: ...
     def restore_from_storage(self) -> int: ...
     def settle_save(self) -> None: ...
 
-__all__ = ["InPlaceController", "StepRetriesExceeded", "init_inplace"]
+__all__ = ["InPlaceController", "SpoiledStateError", "StepRetriesExceeded", "init_inplace"]
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +76,11 @@ _STEP_TIMES: Final = 50
 
 class StepRetriesExceeded(ElasticError):
     """The same step was abandoned more often than allowed: a persistent fault, not a peer."""
+
+
+class SpoiledStateError(ElasticError):
+    """No rank holds sound state and there is no checkpoint to roll back to (only with
+    ``ELASTIC_NCCL_STEP_FENCE=0``)."""
 
 
 def _env_number(name: str, default: float) -> float:
@@ -122,6 +129,10 @@ class InPlaceController:
         self.max_step_retries = int(_env_number("ELASTIC_MAX_STEP_RETRIES",
                                                 DEFAULT_MAX_STEP_RETRIES))
         self._guard: WorldAbort | None = None
+        #: NCCL only: keeps a step of an aborted world from being applied, or notes that it
+        #: was (elastic.inplace.step_fence).
+        self.fence = (StepFence(device, wait=step_fence_from_env()) if backend == "nccl"
+                      else None)
         self._building: WorldRecord | None = None
         self._failed_at: float | None = None
         self._retries: dict[int, int] = {}
@@ -267,12 +278,13 @@ class InPlaceController:
     def _build(self, world: WorldRecord) -> ProcessGroups | None:
         """Builds ``world``'s groups; ``None`` if it failed (a member did not come, or the
         world was replaced or aborted meanwhile)."""
-        abort_groups(self._guard)
+        self._drop_world()
         self._tried_epoch = max(self._tried_epoch, world.epoch)
         rank = world.ranks().index(self.me)
         # Created before the store client connects: an abort during the build (a member
         # gone, a newer world) severs the store connection too, so the build fails now.
-        guard = WorldAbort(skip_fds={self.link.fileno}, name=f"epoch {world.epoch}")
+        guard = WorldAbort(skip_fds={self.link.fileno}, name=f"epoch {world.epoch}",
+                           on_abort=self.fence.on_abort if self.fence is not None else None)
         self._guard, self._building = guard, world
         started = time.monotonic()
         self._on_message({})  # a change that landed before the guard existed
@@ -303,6 +315,12 @@ class InPlaceController:
                     time.monotonic() - started, rank, world.world_size)
         self._on_message({})  # a loss reported during the build: abort now, not at a timeout
         return groups
+
+    def _drop_world(self) -> None:
+        """Destroys the current world's groups (the steps it still runs are resolved first)."""
+        if self.fence is not None:
+            self.fence.settle(self._guard)
+        abort_groups(self._guard)
 
     def join(self, timeout: timedelta) -> ProcessGroups:
         """Waits for a world that includes this worker and builds it."""
@@ -338,11 +356,11 @@ class InPlaceController:
                 24 * 3600.0, "the next world")
             if self.me in world.departed:
                 self.left = True
-                abort_groups(self._guard)
+                self._drop_world()
                 logger.info("this worker's node departs: leaving the job at step boundary")
                 return
             if self.me not in world.ranks():
-                abort_groups(self._guard)
+                self._drop_world()
                 logger.info("not in world epoch %d: waiting to be admitted", world.epoch)
                 self._tried_epoch = max(self._tried_epoch, world.epoch)
                 continue
@@ -371,14 +389,23 @@ class InPlaceController:
         assert self.ctx is not None
         for _ in range(_MAX_BUILDS):
             try:
-                result = agree_and_heal(loop.step if loop.has_state else -1,
+                spoiled = self.fence is not None and self.fence.spoiled
+                if spoiled:
+                    logger.warning("this worker applied step(s) whose collective an abort cut "
+                                   "short (%s=0): it reports no state and is healed, or "
+                                   "restores the last checkpoint", STEP_FENCE_ENV)
+                result = agree_and_heal(loop.step if loop.has_state and not spoiled else -1,
                                         loop.heal_state(), self.ctx.checkpoint_group,
                                         device=self.device)
+                if spoiled and result.step < 0:
+                    self._check_rollback(loop)
                 # Re-plan, re-shard and move the checkpoint manager to this world first: a
                 # restore reads storage with this world's collectives.
                 loop.world_changed()
                 if result.step < 0:
                     loop.restore_from_storage()
+                if self.fence is not None:
+                    self.fence.replaced()
                 self.last_heal = result
                 if self._failed_at is not None:
                     self.recovery_s.append(time.monotonic() - self._failed_at)
@@ -394,6 +421,23 @@ class InPlaceController:
                 if self.left:
                     return
         raise RuntimeError(f"healing failed {_MAX_BUILDS} times in a row; giving up.")
+
+    def _check_rollback(self, loop: ElasticLoop) -> None:
+        """A spoiled worker is about to restore from storage: there must be a checkpoint.
+
+        Raises:
+            SpoiledStateError: If there is none (a fresh start would keep the garbage).
+        """
+        checkpoint = loop.checkpoint
+        if checkpoint is not None and checkpoint.latest() is not None:
+            return
+        where = f"in {checkpoint.storage.url}" if checkpoint is not None else "(none is kept)"
+        raise SpoiledStateError(
+            f"step {loop.step - 1} was applied on an NCCL collective that an abort cut short "
+            f"({STEP_FENCE_ENV}=0), no rank holds a sound state and no checkpoint is "
+            f"committed {where}, so training cannot go on; unset {STEP_FENCE_ENV} (the "
+            "default waits for each step's collectives and loses at most the step in flight)."
+        )
 
     def in_place(self) -> bool:
         """Whether this worker's world reconfigures in place (every worker declared it);
@@ -496,22 +540,51 @@ class InPlaceController:
             guard is None or not guard.aborted)
 
     def before_optimizer_step(self) -> None:
-        """Refuses to apply a step whose world was aborted (NCCL).
-
-        Aborting an NCCL communicator does not raise for work already queued: the stream is
-        released and the collective's output is garbage. So, with NCCL, the host waits for
-        the step's collectives and checks the world before the optimizer applies anything;
-        a step of an aborted world raises (and is abandoned) instead. gloo's collectives are
-        synchronous and fail in the aborted call itself: nothing to do.
+        """Refuses to apply a step whose world was aborted (NCCL; see
+        :mod:`~elastic.inplace.step_fence`: by default the host waits for the step's
+        collectives first). gloo's collectives fail in the aborted call itself: nothing to do.
 
         Raises:
             WorldAbortedError: If the world was aborted.
         """
         guard = self._guard
-        if guard is None or self.backend != "nccl":
-            return
-        torch.cuda.current_stream(self.device).synchronize()
-        guard.check()
+        if guard is not None and self.fence is not None:
+            self.fence.before_optimizer_step(guard)
+
+    def check_agreement(self) -> None:
+        """The step agreement's flags were just read: with NCCL and no per-step wait, they
+        may come from a collective an abort cut short, so an aborted world raises.
+
+        Raises:
+            WorldAbortedError: If they cannot be trusted.
+        """
+        guard = self._guard
+        if guard is not None and self.fence is not None and not self.fence.wait:
+            guard.check()
+
+    def before_save(self) -> None:
+        """State is about to be staged for a checkpoint: with NCCL and no per-step wait,
+        waits for the stream and refuses a state of an aborted world.
+
+        Raises:
+            WorldAbortedError: If the world was aborted.
+        """
+        guard = self._guard
+        if guard is not None and self.fence is not None:
+            self.fence.before_save(guard)
+
+    def check_config(self, loop: ElasticLoop) -> None:
+        """Refuses settings that cannot work together (called when the loop is built).
+
+        Raises:
+            ConfigError: ``ELASTIC_NCCL_STEP_FENCE=0`` without a checkpoint.
+        """
+        if self.fence is not None and not self.fence.wait and loop.checkpoint is None:
+            raise ConfigError(
+                f"{STEP_FENCE_ENV}=0 rolls survivors back to the last checkpoint when a step's "
+                "collective is aborted, but this ElasticLoop keeps none; pass checkpoint= or "
+                f"unset {STEP_FENCE_ENV}."
+            )
 
     def finish(self, step: int, *, finished: bool) -> None:
         """Tells the agent the job finished (from the world's rank 0) and closes the link."""

@@ -11,16 +11,18 @@ Tear-down must not hang on a dead peer. gloo raises at once when a peer's connec
 ``destroy`` while a kernel waits for a dead peer, so :func:`abort_groups` aborts them first
 (``torch.distributed.distributed_c10d._abort_process_group``, private but present since torch
 2.5; the only way to cancel pending NCCL work). NCCL groups are built with
-``TORCH_NCCL_ASYNC_ERROR_HANDLING=0``: the watchdog never tears a survivor down, and a
-collective blocked on a member that is gone is cancelled by this worker itself, from a watch
-thread, through the world's :class:`~elastic.inplace.abort.WorldAbort`. Only gloo on CPU is
-exercised by this repository's tests; the NCCL path is written but has not been run on a GPU.
+``TORCH_NCCL_ASYNC_ERROR_HANDLING=0`` (except under ``--elastic-mode restart``, which keeps
+torch's default): the watchdog never tears a survivor down, and a collective blocked on a
+member that is gone is cancelled by this worker itself, from a watch thread, through the
+world's :class:`~elastic.inplace.abort.WorldAbort`. The CPU tests exercise gloo; the NCCL
+path has GPU tests (``tests/gpu``, marker ``gpu``) that skip where CUDA is absent.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from datetime import timedelta
 from typing import Final
 
@@ -28,11 +30,12 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import HashStore, PrefixStore, Store
 
+from elastic import env
 from elastic.inplace.abort import WorldAbort
 from elastic.process_group import ProcessGroups, set_nccl_error_handling
 
-__all__ = ["GLOO_CONNECT_WAIT_FACTOR", "abort_groups", "build_groups", "set_group_timeout",
-           "standby_groups"]
+__all__ = ["GLOO_CONNECT_WAIT_FACTOR", "abort_groups", "build_groups",
+           "nccl_handling_in_place", "set_group_timeout", "standby_groups"]
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +65,7 @@ def build_groups(
         WorldAbortedError: When ``world_abort`` was aborted during the build.
     """
     if backend == "nccl":
-        set_nccl_error_handling(in_place=True)
+        set_nccl_error_handling(in_place=nccl_handling_in_place())
     store.set_timeout(timeout)
     _reset_group_names()
     prefixed = PrefixStore(f"e{epoch}/", store)
@@ -86,6 +89,17 @@ def build_groups(
     if world_abort is not None:
         world_abort.built(default, checkpoint)
     return ProcessGroups(backend=backend, default=default, checkpoint=checkpoint)
+
+
+def nccl_handling_in_place() -> bool:
+    """Whether this worker's NCCL groups get the in-place error handling (``0``).
+
+    Unless elastic-run runs the job in restart mode (``--elastic-mode restart``), where torch's
+    default (``3``: a failed or timed-out collective ends the worker, and the agent restarts
+    the round) is kept. In ``auto`` mode a world built before its workers declared themselves
+    is upgraded to in place without being rebuilt, so its groups need ``0`` from the start.
+    """
+    return os.environ.get(env.MODE, "auto") != "restart"
 
 
 def _meet(store: Store, world_size: int, timeout: timedelta) -> None:

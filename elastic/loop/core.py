@@ -201,6 +201,8 @@ class ElasticLoop:
             for opt in optimizers_in(user_state.values()):
                 # NCCL: a step of an aborted world must never be applied (see the controller).
                 opt.register_step_pre_hook(lambda *_args: controller.before_optimizer_step())
+            self.saves.before_save = controller.before_save
+            controller.check_config(self)
         self.replicas = Replicas(ctx, in_place=controller is not None)
         self._flags: BoundaryFlags | None = None
         #: Completed optimizer steps; the index of the next step to run.
@@ -698,6 +700,8 @@ class ElasticLoop:
             if self._flags is None:
                 self._flags = BoundaryFlags(2, self.ctx.device, self.ctx.process_group)
             agreed = self._flags.exchange(flags)
+            if self._inplace is not None:
+                self._inplace.check_agreement()  # NCCL: flags of an aborted world are garbage
         if agreed is None:
             return False
         if agreed[_NEWER_WORLD] and self._inplace is not None:

@@ -65,6 +65,9 @@ class SaveSchedule:
         self._uncommitted: SaveHandle | None = None
         #: Seconds the current step was blocked by saves and commit waits.
         self.blocked_s = 0.0
+        #: Called before each save's state is staged; may raise to refuse it (in place with
+        #: NCCL: the step fence's check that the state is sound).
+        self.before_save: Callable[[], None] | None = None
 
     def restored(self, step: int) -> None:
         """The state was loaded at ``step`` (it needs no save again)."""
@@ -120,6 +123,8 @@ class SaveSchedule:
               round_: int | None) -> None:
         if self.checkpoint is None or self._saved_step == step:
             return
+        if self.before_save is not None:
+            self.before_save()
         self._saved_step = step
         started = time.monotonic()
         handle = self.checkpoint.save(step, state)

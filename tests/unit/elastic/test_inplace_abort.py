@@ -351,3 +351,21 @@ def test_in_place_workers_force_nccl_error_handling_off_and_restart_mode_keeps_t
         set_nccl_error_handling(in_place=True)
     assert os.environ[NCCL_ASYNC_ERROR_HANDLING_ENV] == "0"
     assert "TORCH_NCCL_ASYNC_ERROR_HANDLING=1 ignored" in caplog.text
+
+
+@pytest.mark.parametrize(("mode", "expected"), [("restart", "3"), ("auto", "0"),
+                                                ("inplace", "0"), (None, "0")])
+def test_under_elastic_run_only_restart_mode_keeps_torchs_nccl_error_handling(
+    monkeypatch: pytest.MonkeyPatch, mode: str | None, expected: str,
+) -> None:
+    # auto must use 0 from the first build: a world is upgraded to in place without a rebuild.
+    from elastic import env
+    from elastic.inplace.groups import nccl_handling_in_place
+
+    monkeypatch.delenv(NCCL_ASYNC_ERROR_HANDLING_ENV, raising=False)
+    if mode is None:
+        monkeypatch.delenv(env.MODE, raising=False)
+    else:
+        monkeypatch.setenv(env.MODE, mode)
+    set_nccl_error_handling(in_place=nccl_handling_in_place())
+    assert os.environ[NCCL_ASYNC_ERROR_HANDLING_ENV] == expected
