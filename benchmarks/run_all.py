@@ -9,10 +9,12 @@ it builds ONE summary table, a row per headline figure::
 
 where the baseline is torchrun, c10d, DCP ``async_save``, the copy or disk floor, or raw s3fs
 puts, and the goals are those set in the issues (checkpoint blocking <= 1.5x the copy floor,
-durable <= 1.3x the disk floor and <= 1.3x raw s3fs puts; goodput >= 0.95 and above
-torchrun's; live metrics cost under 1 % of step time). Below it come each benchmark's own
-detailed table, then the command line, date, commit and machine. A benchmark that fails or
-times out is shown as failed (with its log) and the others still run.
+durable <= 1.3x the disk floor and <= 1.3x raw s3fs puts, CUDA checkpoint blocking <= 1.5x
+the device-to-pinned-host copy floor; goodput >= 0.95 and above torchrun's; live metrics cost
+under 1 % of step time). Below it come each benchmark's own detailed table, then the command
+line, date, commit and machine. A benchmark that fails or times out is shown as failed (with
+its log) and the others still run; one that cannot run on this machine (the CUDA benchmark
+without a GPU) exits 0 with ``{"skipped": reason}`` as its JSON and is shown as skipped.
 
 Two presets: the default runs the settings each script's docstring gives for the published
 figures (about an hour and a half on 2 cores); ``--quick`` runs small settings for a smoke
@@ -71,6 +73,10 @@ CKPT_OURS = "ours (CheckpointManager)"
 CKPT_S3_RAW = "s3: raw s3fs puts (4 in parallel)"
 CKPT_S3_RAW_ZERO_COPY = "s3: raw s3fs puts, zero-copy body"
 CKPT_S3_OURS = "s3: ours"
+CUDA_FLOOR = "floor: device-to-pinned-host copy"
+CUDA_OURS = "ours (CheckpointManager)"
+CUDA_DCP_CACHED = "DCP async_save, cache_staged_state_dict=True"
+CUDA_DCP_STAGER = "DCP async_save, DefaultStager (pinned, non-blocking)"
 PHASE_LABELS = {"worker_kill": "worker SIGKILL", "node_loss": "node loss"}
 
 
@@ -94,6 +100,7 @@ class Row:
         ours_note: Appended to elastic-run's cell (runs measured, hangs, faults).
         baseline_note: Appended to the baseline's cell.
         failed: Why the benchmark gave no figures (then the other fields are unused).
+        skipped: Why the benchmark could not run on this machine (then the others are unused).
     """
 
     benchmark: str
@@ -108,6 +115,7 @@ class Row:
     ours_note: str = ""
     baseline_note: str = ""
     failed: str = ""
+    skipped: str = ""
 
     @property
     def ratio(self) -> float | None:
@@ -336,6 +344,28 @@ def metrics_rows(data: dict[str, Any], stdout: str = "") -> list[Row]:
     return rows
 
 
+def cuda_checkpoint_rows(data: dict[str, Any], stdout: str = "") -> list[Row]:
+    """Rows of ``cuda_checkpoint.py --json`` (see its module docstring for the shape).
+
+    Per size: ours against the device-to-pinned-host copy floor (blocking, with the goal),
+    and against DCP ``async_save`` with each of its cached pinned stagers (the speed-up).
+    """
+    del stdout
+    rows = []
+    for entry in data["sizes"]:
+        m = entry["methods"]
+        measure = f"blocking (training thread), CUDA state, {entry['bytes'] / (1 << 30):.2f} GiB"
+        ours = m[CUDA_OURS]["blocking_s"]
+        floor = Row("cuda_checkpoint", measure, ours, m[CUDA_FLOOR]["blocking_s"],
+                    "device-to-pinned-host copy floor",
+                    goal=f"<= {CKPT_BLOCKING_GOAL:g}x copy floor")
+        rows.append(_with_met(floor, _at_most(floor.ratio, CKPT_BLOCKING_GOAL)))
+        for name in (CUDA_DCP_CACHED, CUDA_DCP_STAGER):
+            rows.append(Row("cuda_checkpoint", measure, ours, m[name]["blocking_s"],
+                            name.removeprefix("DCP "), speedup=True))
+    return rows
+
+
 def failed_row(benchmark: str, why: str) -> Row:
     """The row of a benchmark that gave no figures."""
     return Row(benchmark, "", failed=why)
@@ -362,6 +392,9 @@ def render_row(row: Row) -> str:
     """One Markdown table line for ``row``."""
     if row.failed:
         cells = [row.benchmark, f"**failed**: {row.failed}", "-", "-", "-", "-", "failed"]
+        return "| " + " | ".join(_cell(c) for c in cells) + " |"
+    if row.skipped:
+        cells = [row.benchmark, f"skipped: {row.skipped}", "-", "-", "-", "-", "skipped"]
         return "| " + " | ".join(_cell(c) for c in cells) + " |"
     ours = _value(row.ours, row.unit) + (f" ({row.ours_note})" if row.ours_note else "")
     base = f"{_value(row.baseline, row.unit)} ({row.baseline_name}"
@@ -434,6 +467,9 @@ BENCHES: tuple[Bench, ...] = (
           ("--duration", "40", "--period", "15", "--calm", "10"), 3600, 900, goodput_rows),
     Bench("metrics", "metrics_overhead.py", ("--repeats", "30", "--steps-per-block", "100"),
           ("--repeats", "3", "--steps-per-block", "30"), 1800, 300, metrics_rows),
+    Bench("cuda_checkpoint", "cuda_checkpoint.py", ("--sizes", "1,4,16", "--repeats", "3"),
+          ("--sizes", "1", "--repeats", "1", "--settle", "0.2"), 3600, 600,
+          cuda_checkpoint_rows),
 )
 
 
@@ -546,6 +582,8 @@ def summarize(outcome: Outcome) -> list[Row]:
         data = json.loads(outcome.json_path.read_text())
     except (OSError, ValueError) as exc:
         return [failed_row(name, f"no readable JSON ({exc}); log: {outcome.stderr_path}")]
+    if isinstance(data, dict) and data.get("skipped"):
+        return [Row(name, "", skipped=str(data["skipped"]))]
     try:
         stdout = outcome.stdout_path.read_text(errors="replace")
         rows = outcome.bench.rows(data, stdout)

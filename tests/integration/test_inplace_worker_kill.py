@@ -51,7 +51,9 @@ class Outcome:
     survivor_pid_after: int
 
 
-def _scenario(tmp: Path, endpoint: str) -> Iterator[Outcome]:
+def _scenario(tmp: Path, endpoint: str, worker_args: tuple[str, ...] = ()) -> Iterator[Outcome]:
+    """The job and its undisturbed twin; ``worker_args`` go to every worker of both
+    (``tests/gpu`` runs this with ``("--device", "cuda")``)."""
     with (
         cluster(tmp / "steady", endpoint, f"steady-{uuid.uuid4().hex[:8]}") as steady_cluster,
         cluster(tmp / "job", endpoint, f"inplace-{uuid.uuid4().hex[:8]}") as job_cluster,
@@ -59,10 +61,12 @@ def _scenario(tmp: Path, endpoint: str) -> Iterator[Outcome]:
         (tmp / "steady").mkdir(exist_ok=True)
         (tmp / "job").mkdir(exist_ok=True)
         steady = InPlaceJob(steady_cluster, tmp / "steady", ("--nnodes", "2",
-                                                              "--max-restarts", "0"))
+                                                              "--max-restarts", "0"),
+                            worker_args=worker_args)
         # elastic-run's default mode (auto): in place because the worker declares it.
         job = InPlaceJob(job_cluster, tmp / "job", ("--nnodes", "1:2", "--max-restarts", "3",
-                                                      "--inplace-ttl", "5"), mode=None)
+                                                      "--inplace-ttl", "5"), mode=None,
+                         worker_args=worker_args)
         for _ in range(2):
             steady.start_node()
         job.open_gate(0)

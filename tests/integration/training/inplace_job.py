@@ -25,6 +25,8 @@ class InPlaceJob:
     #: ``--elastic-mode`` of the agents (``None``: elastic-run's default, ``auto``, which runs
     #: this worker in place because it calls ``elastic.init(inplace=True)``).
     mode: str | None = "inplace"
+    #: Extra arguments of every worker (``("--device", "cuda")``).
+    worker_args: tuple[str, ...] = ()
     weights: Path = field(init=False)
 
     def __post_init__(self) -> None:
@@ -56,7 +58,7 @@ class InPlaceJob:
             "--interval", str(INTERVAL), "--global-batch", str(GLOBAL_BATCH),
             "--dataset-size", str(DATASET), "--step-time", str(step_time),
             "--gate-file", str(self.gate), "--weights-out", str(self.weights),
-            "--setup-delay", str(setup_delay),
+            "--setup-delay", str(setup_delay), *self.worker_args,
         ]
         mode = ("--elastic-mode", self.mode) if self.mode else ()
         return self.cluster.start_elastic(*mode, *self.flags, *extra, worker_args=args)

@@ -10,6 +10,10 @@ Each process appends JSON lines to ``<audit-dir>/pid<PID>.jsonl``:
 * ``{"kind": "setup", "pid", "phase": "began"|"ended", "t"}`` around ``--setup-delay``.
 
 ``--setup-delay S`` sleeps between ``elastic.init()`` and the loop (a slow model build).
+``--device cuda`` keeps the model, its optimizer state and the batches on the GPU (the
+collectives stay on gloo, which moves CUDA tensors: several ranks can share one GPU); the
+default, ``cpu``, is the CPU worker the CPU tests run. The ``gen`` record also says where
+the weights are (``device``).
 ``--step-time S`` sleeps at the start of every step (kills from outside land mid-step).
 ``--gate-file PATH`` holds step ``s`` until the file holds a number above ``s``, or until a
 worker waits to be admitted (it is admitted at the end of the released step).
@@ -65,14 +69,18 @@ def main() -> int:
     parser.add_argument("--step-time", type=float, default=0.0)
     parser.add_argument("--gate-file", default="")
     parser.add_argument("--setup-delay", type=float, default=0.0)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     args = parser.parse_args()
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # debugging a hang: kill -USR1
     logging.basicConfig(level=os.environ.get("LOGLEVEL", "INFO").upper(),
                         format="[%(asctime)s] %(levelname)s %(name)s[%(process)d]: %(message)s")
 
-    ctx = elastic.init(inplace=True)
+    # gloo even where CUDA is present (elastic.init would pick NCCL there, and one GPU cannot
+    # host two NCCL ranks): the CPU tests run the same on a GPU machine.
+    ctx = elastic.init("gloo", inplace=True)
+    device = torch.device(args.device)
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1)).double()
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1)).double().to(device)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=7, gamma=0.5)
     dataset = Synthetic(args.dataset_size)
@@ -109,7 +117,8 @@ def main() -> int:
                 log(kind="gen", gen=ctx.generation, rank=ctx.rank, world=ctx.world_size,
                     pid=os.getpid(), step=step, storage_loads=loop.storage_loads,
                     received=bool(heal and heal.received),
-                    source=heal.source if heal else -1)
+                    source=heal.source if heal else -1,
+                    device=str(next(model.parameters()).device))
             with loop.step_guard():
                 _hold(args.gate_file, step, lambda: ctx.inplace is not None
                       and ctx.inplace.change_pending())
@@ -121,6 +130,7 @@ def main() -> int:
                 for x, y, index in loop.micro_batches(loader, ddp):
                     log(kind="batch", gen=ctx.generation, step=step, rank=ctx.rank,
                         ids=index.tolist())
+                    x, y = x.to(device), y.to(device)
                     loss = nn.functional.mse_loss(ddp(x), y)
                     loop.scale_loss(loss).backward()
                 optimizer.step()
@@ -132,7 +142,7 @@ def main() -> int:
         print(f"[inplace-worker] pid={os.getpid()} rank={ctx.rank} stopped at step "
               f"{loop.step}", flush=True)
         if loop.finished and ctx.is_leader and args.weights_out:
-            torch.save(model.state_dict(), args.weights_out)
+            torch.save({k: v.cpu() for k, v in model.state_dict().items()}, args.weights_out)
     return 0
 
 

@@ -150,6 +150,50 @@ def test_checkpoint_script_json_feeds_the_summary(tmp_path: Path) -> None:
     assert all(isinstance(r.met, bool) for r in rows if r.goal)
 
 
+# ------------------------------------------------------------------------- cuda checkpoint
+
+
+def test_cuda_checkpoint_rows_from_the_scripts_json() -> None:
+    from benchmarks import cuda_checkpoint
+
+    timings = {
+        cuda_checkpoint.FLOOR: _timing(0.40, 0.40),
+        cuda_checkpoint.OURS: _timing(0.52, 9.0),
+        cuda_checkpoint.DCP_CACHED: _timing(2.6, 12.0),
+        cuda_checkpoint.DCP_STAGER: _timing(0.65, 11.0),
+    }
+    data = json.loads(json.dumps({"repeats": 3, "settle": 1.0, "device": "NVIDIA H100",
+                                  "sizes": cuda_checkpoint.results_json(
+                                      [(16.0, 16 << 30, timings)])}))
+    rows = run_all.cuda_checkpoint_rows(data)
+    assert len(rows) == 3 and all("16.00 GiB" in r.measure for r in rows)
+    floor = _one(rows, "blocking", "device-to-pinned-host copy floor")
+    assert floor.ratio == pytest.approx(1.3) and floor.met is True  # 0.52 / 0.40 <= 1.5
+    cached = _one(rows, "blocking", "async_save, cache_staged_state_dict=True")
+    assert cached.speedup and cached.ratio == pytest.approx(5.0) and cached.met is None
+    assert _one(rows, "blocking", "async_save, DefaultStager (pinned, non-blocking)"
+                ).ratio == pytest.approx(1.25)
+    # The names run_all looks up are the script's.
+    assert (run_all.CUDA_FLOOR, run_all.CUDA_OURS, run_all.CUDA_DCP_CACHED,
+            run_all.CUDA_DCP_STAGER) == (cuda_checkpoint.FLOOR, cuda_checkpoint.OURS,
+                                         cuda_checkpoint.DCP_CACHED, cuda_checkpoint.DCP_STAGER)
+
+
+def test_cuda_checkpoint_without_a_gpu_is_reported_as_skipped_not_failed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # no GPU, even on a machine with one
+    bench = _bench("cuda_checkpoint")
+    outcome = run_all.run_bench(bench, bench.quick, tmp_path, 300)
+    assert outcome.status == "ok" and outcome.returncode == 0
+    assert outcome.stdout_path.read_text().strip() == (
+        "cuda_checkpoint: skipped: no CUDA device (torch.cuda.is_available() is False)")
+    (row,) = run_all.summarize(outcome)
+    assert row.skipped == "no CUDA device" and not row.failed
+    assert run_all.render_row(row) == (
+        "| cuda_checkpoint | skipped: no CUDA device | - | - | - | - | skipped |")
+
+
 # ------------------------------------------------------------------------------ rendezvous
 
 
@@ -356,7 +400,7 @@ def test_markdown_detail_fences_progress_lines_only() -> None:
 def test_select() -> None:
     assert [b.name for b in run_all.select("checkpoint,rendezvous")] == ["rendezvous",
                                                                          "checkpoint"]
-    assert len(run_all.select(None)) == len(run_all.BENCHES) == 6
+    assert len(run_all.select(None)) == len(run_all.BENCHES) == 7
     with pytest.raises(ValueError, match="nope"):
         run_all.select("rendezvous,nope")
 
