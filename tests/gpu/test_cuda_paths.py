@@ -98,7 +98,7 @@ def _save_worker(rank: int, world: int, port: int, root: str, ref: str) -> None:
             t.detach().copy_(host)
         # A DTensor sharded unevenly on a CUDA mesh (what FSDP2 and tensor parallelism
         # hold): each rank builds its own shard, no collective.
-        mesh = init_device_mesh("cuda", (world,))
+        mesh = init_device_mesh(device.type, (world,))
         full = _full_rows(device)
         local = full.chunk(world)[rank].clone()
         sharded = DTensor.from_local(local, mesh, [Shard(0)], shape=full.shape,
@@ -112,7 +112,7 @@ def _save_worker(rank: int, world: int, port: int, root: str, ref: str) -> None:
         with CheckpointManager(root, run_id="reshard-cuda") as mgr:
             info = mgr.save(_STEP, state).committed.result(timeout=120)
             assert info.world_size == world
-        assert all(t.is_cuda for t in model.state_dict().values())
+        assert all(t.device == device for t in model.state_dict().values())
         if rank == 0:
             torch.save({"train": _flat(model, optim), "sharded": full.cpu(),
                         "owned": {f"r{r}": _owned(r) for r in range(world)},
@@ -210,8 +210,14 @@ def test_an_nccl_world_is_aborted_from_a_thread_inside_a_collective_and_rebuilt(
         filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     env.pop("ELASTIC_MODE", None)  # in place: TORCH_NCCL_ASYNC_ERROR_HANDLING=0
     env.pop("TORCH_NCCL_ASYNC_ERROR_HANDLING", None)
-    done = subprocess.run([sys.executable, str(Path(__file__).with_name("nccl_abort_child.py"))],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=150)
+    child = [sys.executable, str(Path(__file__).with_name("nccl_abort_child.py"))]
+    try:
+        done = subprocess.run(child, cwd=REPO, env=env, capture_output=True, text=True,
+                              timeout=150)
+    except subprocess.TimeoutExpired as exc:
+        err = exc.stderr.decode(errors="replace") if isinstance(exc.stderr, bytes) else ""
+        pytest.fail(f"the child hung for 150 s (a wait that the abort never released?):\n"
+                    f"{err[-4000:]}")
     print(done.stderr[-4000:], file=sys.stderr)
     assert done.returncode == 0, f"the child exited with {done.returncode}:\n{done.stderr[-4000:]}"
     result = json.loads(done.stdout.strip().splitlines()[-1])
