@@ -24,8 +24,6 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.integration.checkpointing.test_resharding import _init, _owned, _run
-
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.slow,
@@ -83,6 +81,7 @@ def _save_worker(rank: int, world: int, port: int, root: str, ref: str) -> None:
     from torch.distributed.tensor import DTensor, Shard
 
     from checkpointing import CheckpointManager, ModelOptimizerState
+    from tests.integration.checkpointing.test_resharding import _init, _owned
 
     device = _device(rank)
     _init(rank, world, port)
@@ -123,6 +122,7 @@ def _save_worker(rank: int, world: int, port: int, root: str, ref: str) -> None:
 
 def _load_worker(rank: int, world: int, port: int, root: str, ref: str) -> None:
     from checkpointing import CheckpointManager, ModelOptimizerState
+    from tests.integration.checkpointing.test_resharding import _init
 
     device = _device(rank)
     _init(rank, world, port)
@@ -159,6 +159,10 @@ def _load_worker(rank: int, world: int, port: int, root: str, ref: str) -> None:
 def test_cuda_state_checkpoints_and_restores_bit_identically_resharded_2_to_1(
     tmp_path: Path,
 ) -> None:
+    # The CPU re-sharding test's runner: ranks forked from a fork server (which never
+    # touches CUDA), each exit code checked.
+    from tests.integration.checkpointing.test_resharding import _run
+
     root, ref = tmp_path / "ckpt", tmp_path / "expected.pt"
     _run(_save_worker, 2, str(root), str(ref))
     assert {p.name.split("_")[2] for p in (root / f"step-{_STEP:010d}_r0000").glob("*.distcp")
