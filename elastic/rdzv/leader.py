@@ -102,6 +102,9 @@ class LeaderLoop:
         #: and deciding from the older one would write a duplicate that can only fail.
         self._written: WorldRecord | None = None
         self._evicting: tuple[str, ...] = ()
+        #: Worker incarnations evicted by the progress rule: never admitted again (their agent
+        #: kills them; until it has, their node record still shows them ready).
+        self._evicted: set[str] = set()
         self.stats = LeaderStats()
         self.leading = False
         view.add_listener(self._wake.set)
@@ -198,14 +201,19 @@ class LeaderLoop:
             self._ended = True
             self._end_run(ended)
             return _IDLE_WAKE_S
+        if current is not None:
+            self._evicted |= set(current.evicted)  # a previous leader's evictions too
         if current is not None and current.members and not self._ended:
             slow = laggards(current, nodes)
             if slow:
-                nodes = _without_workers(nodes, slow)
+                self._evicted |= set(slow)
                 self._evicting = slow
                 logger.warning("evicting worker(s) %s: every other worker has waited for "
                                "them in the step's collective past the hang threshold",
                                ", ".join(slow))
+        self._evicted &= {f"{n.node}/{w.local_id}" for n in nodes for w in n.workers}
+        if self._evicted:
+            nodes = _without_workers(nodes, sorted(self._evicted))
         proposal = next_world(current, nodes, min_nodes=self._limits.min_nodes,
                               max_nodes=self._limits.max_nodes, used_stores=self._used_stores)
         if proposal is None and current is not None and current.members:
