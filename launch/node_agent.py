@@ -370,9 +370,11 @@ class NodeAgent:
 
         A worker whose collective failed names its world's other nodes. A node whose whole
         process tree died (an OOM kill, a crashed container) has nobody left to revoke its
-        lease: its agent's liveness port now refuses, which is certain, so its record is
-        deleted at once instead of after the TTL. A silent host answers nothing (unknown)
-        and its lease decides.
+        lease: its agent's liveness port now refuses, which is certain, so its lease is
+        revoked at once instead of expiring after the TTL. That removes its record and, if it
+        led the run, the leader key too (deleting the record alone would leave the run
+        without a leader to write the next world until the lease expired). A silent host
+        answers nothing (unknown) and its lease decides.
         """
         run = self._run
         world = run.world() if run is not None else None
@@ -385,9 +387,13 @@ class NodeAgent:
             if address not in dead:
                 continue
             with contextlib.suppress(EtcdUnavailableError):
-                run.client.delete(run.keys.node(node))
+                kv = run.client.get(run.keys.node(node))
+                if kv is not None and kv.lease:
+                    run.client.revoke_lease(kv.lease)
+                else:
+                    run.client.delete(run.keys.node(node))
                 logger.warning("node %s is gone (its agent's liveness port refuses); "
-                               "removed its record", node)
+                               "revoked its lease (its record and any leadership go)", node)
 
     def _push_world(self) -> None:
         """Passes the newest world to the workers (called on every control-key change)."""
