@@ -25,7 +25,7 @@ then measures, from the survivors' own step timestamps, the time from the fault 
 moment every survivor has completed a step in a newer world. The same objects serve the
 namespace tests (one run each) and benchmarks (many runs, torchrun alongside: a torchrun
 job's workers write the same audit when they run ``examples/train.py`` with
-``ELASTIC_SAMPLE_AUDIT``; its stall is then read with ``newer_world=False``).
+``ELASTIC_SAMPLE_AUDIT``; its stall is then read with ``restarted=True``).
 
 Example::
 
@@ -320,17 +320,22 @@ class NetnsJob:
                 self.cluster.etcd_endpoints, "--job-id", self.job_id, *self.script]
         return self.launch(host, argv)
 
-    def torchrun(self, host: Host, *flags: str, rdzv_host: Host, rdzv_port: int = 29400
-                 ) -> Launcher:
+    def torchrun(self, host: Host, *flags: str, rdzv_host: Host, rdzv_port: int = 29400,
+                 rdzv_conf: str = "") -> Launcher:
         """``torchrun`` with torch's c10d rendezvous hosted by ``rdzv_host``, inside ``host``.
 
-        torchrun needs what its users give it on such hosts: the rendezvous endpoint, and
-        ``GLOO_SOCKET_IFNAME`` (gloo otherwise binds the address the shared hostname resolves
-        to); ``--local-addr`` makes its agent advertise the node's address.
+        torchrun needs what its users must give it on such hosts: the rendezvous endpoint;
+        ``is_host=1`` on the node that hosts the store (its agent recognises itself by the
+        hostname's addresses, which belong to the root namespace here: without it nobody
+        hosts the store and every agent fails after 60 s); ``--local-addr``, so that its
+        agent advertises the node's address; and ``GLOO_SOCKET_IFNAME`` (gloo otherwise
+        binds the address the shared hostname resolves to).
         """
+        conf = ",".join(filter(None, [rdzv_conf, "is_host=1" if host is rdzv_host else ""]))
         argv = [sys.executable, "-m", "torch.distributed.run", "--rdzv-backend", "c10d",
                 "--rdzv-endpoint", f"{rdzv_host.address}:{rdzv_port}", "--rdzv-id",
-                self.job_id, "--local-addr", host.address, *flags, *self.script]
+                self.job_id, "--local-addr", host.address,
+                *(("--rdzv-conf", conf) if conf else ()), *flags, *self.script]
         return self.launch(host, argv, {"GLOO_SOCKET_IFNAME": host.ifname})
 
     def on(self, host: Host) -> list[Launcher]:
@@ -455,25 +460,36 @@ class NetnsJob:
         proctree.wait_gone([p for h in self.cluster.nodes for p in h.pids()], 10.0)
 
 
-def stall(audit: Any, fault: Fault, *, newer_world: bool = True) -> float:
-    """Seconds from ``fault`` until every survivor has completed a step after it.
+def stall(audit: Any, fault: Fault, *, restarted: bool = False) -> float:
+    """Seconds from ``fault`` until training went on without what it hit.
 
-    Read from the survivors' own ``done`` records: for each survivor, the first step it
-    completed after the fault (in a generation newer than the fault's, unless
-    ``newer_world`` is false: a step completed just after a fault may be the one that was
-    already in flight, whose collective the lost member had finished), then the latest of
-    those. A survivor that never completed one counts as ``inf``.
+    Read from the workers' own ``done`` records. A step completed just after a fault may be
+    the one that was in flight (the lost member had already done its part of the
+    collective), so only steps of a *newer world* count:
+
+    * in place (the default): for each survivor (:attr:`Fault.survivors`), its first step
+      completed in a generation newer than the fault's; the stall is the latest of those. A
+      survivor that never completed one counts as ``inf``.
+    * ``restarted=True``, for launchers that restart every worker (torchrun, elastic-run's
+      restart mode: the survivors are new processes, and under torchrun every generation
+      is 0): the first step completed after the fault by a worker process that did not
+      exist at the fault, or in a newer generation.
 
     Raises:
-        ValueError: If the fault had no survivors.
+        ValueError: If the fault had no survivors (in place).
     """
+    if restarted:
+        old = fault.survivors | fault.hit
+        times = [float(d["t"]) for d in audit.done if float(d["t"]) > fault.t
+                 and (int(d.get("pid", -1)) not in old or int(d["gen"]) > fault.gen)]
+        return (min(times) if times else float("inf")) - fault.t
     if not fault.survivors:
         raise ValueError(f"fault {fault.kind!r} on {fault.node} had no survivors to measure.")
     firsts = []
     for pid in fault.survivors:
         times = [float(d["t"]) for d in audit.done
                  if int(d.get("pid", -1)) == pid and float(d["t"]) > fault.t
-                 and (not newer_world or int(d["gen"]) > fault.gen)]
+                 and int(d["gen"]) > fault.gen]
         firsts.append(min(times) if times else float("inf"))
     return max(firsts) - fault.t
 
