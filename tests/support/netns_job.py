@@ -397,6 +397,47 @@ class NetnsJob:
         """The highest step any worker completed (-1 before the first)."""
         return max((int(d["step"]) for d in audit.done), default=-1)
 
+    def start_together(self, flags: Sequence[str], *, warm_up: int = 8,
+                       hosts: Sequence[Host] | None = None, timeout_s: float = 150.0
+                       ) -> list[Launcher]:
+        """Starts ``elastic-run FLAGS`` on every node (or ``hosts``) of an
+        ``inplace_worker.py`` job and returns once they all trained together past step
+        ``warm_up`` (the gate holds step 0 until every node's worker is in the world, then
+        the job holds at ``warm_up + 1``: open the gate further with :meth:`run_ahead`)."""
+        nodes = list(hosts if hosts is not None else self.cluster.nodes)
+        self.open_gate(0)
+        launchers = [self.elastic_run(node, *flags) for node in nodes]
+        self.wait_for(lambda a: (g := self.newest_gen(a)) >= 0 and a.world_of(g) == len(nodes)
+                      and len(a.pids_by_gen()[g]) == len(nodes), f"a world of {len(nodes)}",
+                      timeout_s)
+        self.open_gate(warm_up + 1)
+        self.wait_for(lambda a: self.latest_step(a) >= warm_up, f"step {warm_up}", timeout_s)
+        return launchers
+
+    def run_ahead(self, steps: int, limit: int | None = None) -> None:
+        """Lets an ``inplace_worker.py`` job run ``steps`` more steps than it has completed
+        (never past ``limit``), then hold."""
+        target = self.latest_step(self.audit()) + 1 + steps
+        self.open_gate(target if limit is None else min(limit, target))
+
+    def wait_world(self, size: int, after_gen: int, what: str,
+                   accept: Callable[[set[int]], bool] = lambda _pids: True,
+                   timeout_s: float = 150.0) -> int:
+        """Waits for a world of ``size`` workers newer than ``after_gen`` whose workers have
+        all entered their loop, and whose worker pids ``accept`` takes; returns its
+        generation."""
+        found: int = self.wait_for(
+            lambda a: (g := self.newest_gen(a)) > after_gen and a.world_of(g) == size
+            and len(a.pids_by_gen()[g]) == size and accept(a.pids_by_gen()[g]) and g,
+            what, timeout_s)
+        return found
+
+    def wait_moved_on(self, fault: Fault, timeout_s: float = 150.0) -> None:
+        """Waits until a survivor of ``fault`` completed a step in a newer world."""
+        self.wait_for(lambda a: any(int(d["pid"]) in fault.survivors
+                                    and int(d["gen"]) > fault.gen for d in a.done),
+                      f"the survivors of the {fault.kind} to train on", timeout_s)
+
     def node_of_rank(self, rank: int = 0) -> Host:
         """The node whose worker holds ``rank`` in the newest world any worker trains in."""
         audit = self.audit()

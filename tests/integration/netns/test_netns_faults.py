@@ -34,7 +34,7 @@ import contextlib
 import re
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -114,41 +114,6 @@ def _cluster_and_job(root: Path, nodes: int) -> Iterator[tuple[NetnsCluster, Net
     cluster.assert_clean()
 
 
-def _start(job: NetnsJob, flags: tuple[str, ...]) -> list[Launcher]:
-    """One agent per node; returns once they all train together past ``WARM_UP``."""
-    nodes = job.cluster.nodes
-    job.open_gate(0)  # hold step 0 until every node's worker is in the world
-    agents = [job.elastic_run(node, *flags) for node in nodes]
-    job.wait_for(lambda a: (g := job.newest_gen(a)) >= 0 and a.world_of(g) == len(nodes)
-                 and len(a.pids_by_gen()[g]) == len(nodes), f"a world of {len(nodes)}", WAIT)
-    job.open_gate(WARM_UP + 1)
-    job.wait_for(lambda a: job.latest_step(a) >= WARM_UP, f"step {WARM_UP}", WAIT)
-    return agents
-
-
-def _run_ahead(job: NetnsJob, steps: int) -> None:
-    """Lets the job run ``steps`` more steps than it has completed (then it holds)."""
-    job.open_gate(min(STEPS, job.latest_step(job.audit()) + 1 + steps))
-
-
-def _world_of(job: NetnsJob, size: int, after_gen: int, what: str,
-              new_pid: Callable[[set[int]], bool] = lambda _p: True) -> int:
-    """Waits for a world of ``size`` workers newer than ``after_gen`` (its workers in their
-    loop, whose pids ``new_pid`` accepts); returns its generation."""
-    found: int = job.wait_for(
-        lambda a: (g := job.newest_gen(a)) > after_gen and a.world_of(g) == size
-        and len(a.pids_by_gen()[g]) == size and new_pid(a.pids_by_gen()[g]) and g,
-        what, WAIT)
-    return found
-
-
-def _moved_on(job: NetnsJob, fault: Fault) -> None:
-    """Waits until a survivor completed a step in a world after the fault's."""
-    job.wait_for(lambda a: any(int(d["pid"]) in fault.survivors and int(d["gen"]) > fault.gen
-                               for d in a.done),
-                 f"the survivors of the {fault.kind} to train on", WAIT)
-
-
 def _observe_addresses(cluster: NetnsCluster, job: NetnsJob) -> dict[str, Any]:
     """What each node registered, where its liveness port and its store listen, what a
     probe from another node's namespace gets, and where its worker's connections go."""
@@ -216,39 +181,40 @@ def _aborted_on_membership(agent: Launcher) -> list[str]:
 @pytest.fixture(scope="module")
 def hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
     with _cluster_and_job(tmp_path_factory.mktemp("hosts"), 3) as (cluster, job):
-        run = Run(cluster, job, _start(job, ("--min-nodes", "2", "--max-nodes", "3")))
+        run = Run(cluster, job, job.start_together(("--min-nodes", "2", "--max-nodes", "3"),
+                                                    warm_up=WARM_UP, timeout_s=WAIT))
         run.facts["addresses"] = _observe_addresses(cluster, job)
 
         # A host goes silent, then comes back at the same address.
-        _run_ahead(job, 40)
+        job.run_ahead(40, STEPS)
         back = job.node_of_rank(1)
         run.facts["returned"] = back
         cut = run.faults["host returns"] = job.fault("host returns", back,
                                                      lambda: cluster.cut_link(back))
-        _moved_on(job, cut)  # so its lease has expired: the others dropped it
-        _run_ahead(job, 2)
+        job.wait_moved_on(cut, WAIT)  # so its lease has expired: the others dropped it
+        job.run_ahead(2, STEPS)
         cluster.restore_link(back)
-        _world_of(job, 3, cut.gen, "the returned node's new worker in a world of 3",
-                  lambda pids: bool(pids - cut.survivors - cut.hit))
+        job.wait_world(3, cut.gen, "the returned node's new worker in a world of 3",
+                       lambda pids: bool(pids - cut.survivors - cut.hit))
 
         # The rank-0 node (whose worker commits the checkpoints) loses etcd but not its
         # peers; it must not commit, and its worker's failure (its peers moved on without
         # it) is the partition's, not a crash.
-        _run_ahead(job, 60)
+        job.run_ahead(60, STEPS)
         rank0 = job.node_of_rank(0)
         run.facts["partitioned"] = rank0
         (partitioned_agent,) = job.on(rank0)
         cut_off = run.faults["etcd-only partition"] = job.fault(
             "etcd-only partition", rank0, lambda: cluster.partition_from_etcd(rank0))
-        _moved_on(job, cut_off)
+        job.wait_moved_on(cut_off, WAIT)
         deadline = time.monotonic() + 30
         while not log_lines(partitioned_agent.output(), r"worker 0\.\d+ failed") \
                 and time.monotonic() < deadline:
             time.sleep(0.2)
-        _run_ahead(job, 2)
+        job.run_ahead(2, STEPS)
         cluster.heal_from_etcd(rank0)
-        _world_of(job, 3, cut_off.gen, "the partitioned node's new worker in a world of 3",
-                  lambda pids: bool(pids - cut_off.survivors - cut_off.hit))
+        job.wait_world(3, cut_off.gen, "the partitioned node's new worker in a world of 3",
+                       lambda pids: bool(pids - cut_off.survivors - cut_off.hit))
 
         # A host goes silent for good (rank 0's: the first survivor of the last change): the
         # other two finish the job.
@@ -353,21 +319,22 @@ def test_hosts_nothing_of_the_cluster_is_left(hosts: Run) -> None:
 def workers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
     with _cluster_and_job(tmp_path_factory.mktemp("workers"), 2) as (cluster, job):
         n1 = cluster.nodes[1]
-        run = Run(cluster, job, _start(job, ("--min-nodes", "1", "--max-nodes", "2")))
+        run = Run(cluster, job, job.start_together(("--min-nodes", "1", "--max-nodes", "2"),
+                                                    warm_up=WARM_UP, timeout_s=WAIT))
 
         # A worker stops (SIGSTOP): its agent hears no heartbeat for the TTL and replaces it.
-        _run_ahead(job, 40)
+        job.run_ahead(40, STEPS)
         stopped = run.agents[1].worker()
         sigstop = run.faults["worker SIGSTOP"] = job.fault(
             "worker SIGSTOP", n1, lambda: proctree.sigstop(stopped), hit=[stopped])
-        _moved_on(job, sigstop)
-        _run_ahead(job, 2)
-        _world_of(job, 2, sigstop.gen, "the stopped worker's replacement in the world",
-                  lambda pids: stopped not in pids and bool(pids - sigstop.survivors))
+        job.wait_moved_on(sigstop, WAIT)
+        job.run_ahead(2, STEPS)
+        job.wait_world(2, sigstop.gen, "the stopped worker's replacement in the world",
+                       lambda pids: stopped not in pids and bool(pids - sigstop.survivors))
         run.facts["stopped_alive"] = proctree.alive(stopped)
 
         # The replacement hangs live before its step's collective (its threads run on).
-        _run_ahead(job, 40)
+        job.run_ahead(40, STEPS)
         hung = run.agents[1].worker()
 
         def hang_it() -> None:
@@ -375,11 +342,11 @@ def workers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
             cluster.wait_hung(hung, 30.0)
 
         live = run.faults["live hang"] = job.fault("live hang", n1, hang_it, hit=[hung])
-        _moved_on(job, live)
+        job.wait_moved_on(live, WAIT)
         cluster.release_worker(hung)  # were it still alive, it would go on now
-        _run_ahead(job, 2)
-        _world_of(job, 2, live.gen, "the hung worker's replacement in the world",
-                  lambda pids: hung not in pids and bool(pids - live.survivors))
+        job.run_ahead(2, STEPS)
+        job.wait_world(2, live.gen, "the hung worker's replacement in the world",
+                       lambda pids: hung not in pids and bool(pids - live.survivors))
         run.facts["hung_alive"] = proctree.alive(hung)
 
         # The node's whole process tree dies while the two train together: its kernel
