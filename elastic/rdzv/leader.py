@@ -251,17 +251,24 @@ class LeaderLoop:
                          and w not in proposal.departed and w not in evicted)
             self._write(proposal.with_changes(evicted=evicted, lost=lost), current)
             return 0.0
-        if self._settled(proposal, nodes):
+        # After a restart-mode "everyone restart" world, the node records still show the
+        # incarnations being restarted as ready until their agents publish the new ones: a
+        # full world must settle too, or it is formed from stale incarnations, which makes
+        # the agents restart again, and again (a storm of empty and full worlds).
+        restarting = current is not None and not current.members and current.mode == "restart"
+        if self._settled(proposal, nodes, shortcut=not restarting):
             self._write(proposal, current)
             return 0.0
         return self._remaining_settle()
 
-    def _settled(self, proposal: WorldRecord, nodes: Sequence[NodeRecord]) -> bool:
-        """Whether ``proposal`` stayed the same for the last call (or nobody else can come)."""
+    def _settled(self, proposal: WorldRecord, nodes: Sequence[NodeRecord], *,
+                 shortcut: bool = True) -> bool:
+        """Whether ``proposal`` stayed the same for the last call (or, with ``shortcut``,
+        nobody else can come)."""
         signature = (proposal.ranks(), proposal.mode)
         if self._pending != signature:
             self._pending, self._pending_since = signature, time.monotonic()
-        return self._remaining_settle() <= 0 or self._complete(nodes, proposal)
+        return self._remaining_settle() <= 0 or (shortcut and self._complete(nodes, proposal))
 
     def _remaining_settle(self) -> float:
         return max(0.0, self._limits.last_call - (time.monotonic() - self._pending_since))
