@@ -23,20 +23,20 @@ Faults go through :meth:`NetnsJob.fault`, which records when (``time.time()``, t
 audit) and in which generation it struck, and which worker processes it hit; :func:`stall`
 then measures, from the survivors' own step timestamps, the time from the fault to the
 moment every survivor has completed a step in a newer world. The same objects serve the
-namespace tests (one run each) and benchmarks (many runs, torchrun alongside: a torchrun
+namespace tests and benchmarks (many runs, torchrun alongside: a torchrun
 job's workers write the same audit when they run ``examples/train.py`` with
 ``ELASTIC_SAMPLE_AUDIT``; its stall is then read with ``restarted=True``).
 
-Example::
+Example (a silent host, the survivors' stall)::
 
     with NetnsCluster(nodes=3, etcd_members=1) as cluster:
-        job = NetnsJob(cluster, tmp_path / "job", inplace_worker_args(tmp_path / "job"))
-        for node in cluster.nodes:
-            job.elastic_run(node, "--min-nodes", "2", "--max-nodes", "3")
-        job.wait_for(lambda a: job.trained_in_world(a, 3), "a world of 3 to train")
-        fault = job.fault("silent host", cluster.nodes[2],
-                          lambda: cluster.cut_link(cluster.nodes[2]))
-        job.wait_agents([0, 1])
+        root = tmp_path / "job"
+        job = NetnsJob(cluster, root, inplace_worker_args(root, steps=120))
+        agents = job.start_together(("--min-nodes", "2", "--max-nodes", "3"))
+        job.run_ahead(40)                     # the gate lets 40 more steps run
+        victim = job.node_of_rank(0)
+        fault = job.fault("silent host", victim, lambda: cluster.cut_link(victim))
+        job.wait_moved_on(fault)
         print(stall(job.audit(), fault))
         job.stop()
 """
