@@ -142,6 +142,8 @@ class _Failure:
     code: int
     world: WorldRecord | None
     decide_by: float
+    #: Whether this node's lease was fresh when the worker failed (see ``_settle``).
+    lease_fresh: bool = True
 
 
 @dataclass
@@ -379,9 +381,11 @@ class NodeAgent:
 
         A worker whose collective failed names its world's other nodes. A node whose whole
         process tree died (an OOM kill, a crashed container) has nobody left to revoke its
-        lease: its agent's liveness port now refuses, which is certain, so its record is
-        deleted at once instead of after the TTL. A silent host answers nothing (unknown)
-        and its lease decides.
+        lease: its agent's liveness port now refuses, which is certain, so its lease is
+        revoked at once instead of expiring after the TTL. That removes its record and, if it
+        led the run, the leader key too (deleting the record alone would leave the run
+        without a leader to write the next world until the lease expired). A silent host
+        answers nothing (unknown) and its lease decides.
         """
         run = self._run
         world = run.world() if run is not None else None
@@ -394,9 +398,13 @@ class NodeAgent:
             if address not in dead:
                 continue
             with contextlib.suppress(EtcdUnavailableError):
-                run.client.delete(run.keys.node(node))
+                kv = run.client.get(run.keys.node(node))
+                if kv is not None and kv.lease:
+                    run.client.revoke_lease(kv.lease)
+                else:
+                    run.client.delete(run.keys.node(node))
                 logger.warning("node %s is gone (its agent's liveness port refuses); "
-                               "removed its record", node)
+                               "revoked its lease (its record and any leadership go)", node)
 
     def _push_world(self) -> None:
         """Passes the newest world to the workers (called on every control-key change)."""
@@ -732,7 +740,8 @@ class NodeAgent:
                         logger.info("worker %s exited 0", slot.local_id)
                         continue
                     slot.pending = _Failure(process, code, slot.started_for or
-                                            self._last_world, now + self._settle_s())
+                                            self._last_world, now + self._settle_s(),
+                                            lease_fresh=self._lease_fresh())
                     slot.ready = False  # gone: the leader takes it out of the world now
                 if slot.pending is not None and not self._settle(slot, now):
                     exhausted = True
@@ -757,19 +766,40 @@ class NodeAgent:
         others = {w for w in before.ranks() if not w.startswith(self._node + "/")}
         return bool(others & (set(newest.lost) | set(newest.evicted)))
 
+    def _lease_fresh(self) -> bool:
+        """Whether etcd may still hold this node's lease: refreshed within its TTL. A worker
+        whose peers moved on without this node failed later than that (etcd drops a lease a
+        TTL after its last refresh, and only then do the others move on); the margin keeps a
+        refresh delayed by a busy machine from passing a crash off as a partition. (The
+        commit fence is stricter: half the TTL.)"""
+        run = self._run
+        lease = run.node.lease if run is not None else None
+        return lease is None or lease.fresh(margin=1.0)
+
     def _settle(self, slot: _Slot, now: float) -> bool:
-        """Decides a pending failure once its cause is known; False if the budget is out."""
+        """Decides a pending failure once its cause is known; False if the budget is out.
+
+        A worker that failed while this node's lease had not been refreshed for its TTL (cut
+        off from etcd, or already dropped by it) lost its peers to the partition: the others
+        moved on without this node and severed their connections, and nobody here can learn
+        of it. That is not the script's crash, so it is never charged to the crash budget: a
+        long cut must not turn into exit 1 (the node joins again once etcd answers).
+        """
         failure = slot.pending
         assert failure is not None
         report = slot.report or {}
+        partitioned = not (failure.lease_fresh and self._lease_fresh())
         certain = (failure.process.stopping or bool(report.get("peer"))
-                   or bool(report.get("drained"))
+                   or bool(report.get("drained")) or partitioned
                    or failure.code < 0 or report.get("peer_type") is False)
         if not certain and not self._peer_evidence(failure) and now < failure.decide_by:
             return True  # the cause is not settled yet: wait for membership to say
         slot.pending = None
         if not failure.process.stopping and self._peer_evidence(failure):
             report = {**report, "peer": True}
+            slot.report = report
+        elif not failure.process.stopping and partitioned:
+            report = {**report, "partition": True}
             slot.report = report
         return self._handle_failure(slot, failure.process, failure.code)
 
@@ -782,6 +812,8 @@ class NodeAgent:
             cause, delay = "stopped", 0.0
         elif report.get("peer"):
             cause, delay = "peer_failure", self._budget.backoff_base
+        elif report.get("partition"):
+            cause, delay = "partition", self._budget.backoff_base
         else:
             cause = "crash"
             charged = self._budget.charge()

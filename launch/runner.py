@@ -96,12 +96,39 @@ def _worker_env(args: argparse.Namespace) -> dict[str, str]:
     return values
 
 
+#: Variables that make gloo and NCCL use one interface instead of picking their own.
+SOCKET_IFNAME_VARS: Final = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+
+
+def interface_env(addr: str, environ: Mapping[str, str]) -> dict[str, str]:
+    """Tells the workers' gloo and NCCL to use the interface of the registered address.
+
+    gloo otherwise binds the address this host's name resolves to (on a multi-homed host,
+    in a container or a network namespace often not the one the peers reach, or none: then
+    it falls back to loopback and ranks on other hosts never connect), and NCCL picks by its
+    own rules; every connection a peer dials must go to the address this node registered. A
+    value the user set is kept.
+    """
+    from elastic.rdzv.job import interface_of
+
+    missing = [name for name in SOCKET_IFNAME_VARS if not environ.get(name)]
+    if not missing:
+        return {}
+    ifname = interface_of(addr)
+    if ifname is None:
+        logger.warning("no local interface holds this node's address %s: gloo and NCCL pick "
+                       "their own (set GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME if peers "
+                       "cannot connect)", addr)
+        return {}
+    return {name: ifname for name in missing}
+
+
 def run(args: argparse.Namespace) -> int:
     """Runs the node agent described by validated ``args``; returns the exit code."""
     from torch.distributed.run import config_from_args
 
     from elastic.rdzv.config import RdzvConf, client_for
-    from elastic.rdzv.job import registered_address
+    from elastic.rdzv.job import interface_of, registered_address
     from launch.budget import CrashBudget
     from launch.etcd_probe import probe
     from launch.node_agent import AgentConfig, NodeAgent
@@ -137,7 +164,8 @@ def run(args: argparse.Namespace) -> int:
         budget=CrashBudget(max_restarts=args.max_restarts, window=args.restart_window),
         mode=args.elastic_mode, shutdown_grace=float(config.shutdown_timeout or 30),
         drain_timeout=args.preemption_drain_timeout, linger=conf.linger,
-        worker_env={**_worker_env(args), **telemetry.worker_env},
+        worker_env={**_worker_env(args), **interface_env(addr, os.environ),
+                    **telemetry.worker_env},
         metrics_port=telemetry.metrics_port, build_timeout=args.inplace_build_timeout,
     )
     _log_config({
@@ -147,6 +175,7 @@ def run(args: argparse.Namespace) -> int:
         "job id": agent_config.job_id,
         "etcd": args.rdzv_endpoint,
         "address": addr,
+        "interface": interface_of(addr) or "(not local)",
         "elastic mode": agent_config.mode,
         "crash budget": f"{args.max_restarts} per {args.restart_window:g} s",
         "node lease ttl": f"{agent_config.ttl} s",

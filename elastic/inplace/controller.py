@@ -17,8 +17,11 @@ this module turns that into process groups and into the decisions of
 When a member of the world this worker trains in (or builds) is gone — the agent reports a
 newer world without it that does not mark it as departed, or reports a local peer dead — the
 world is aborted at once from the link's thread (:class:`WorldGuard`): a collective blocked
-on a silent peer fails now instead of at its timeout. A newer world that only adds workers,
-or drops departing ones, is a planned change: no abort, the switch happens at a boundary.
+on a silent peer fails now instead of at its timeout. So is a world that a newer one leaves
+this worker itself out of (evicted, or its node dropped while cut off): it then waits to be
+admitted as a newcomer, and never completes a step of its stale world. A newer world that
+only adds workers, or drops departing ones, is a planned change: no abort, the switch happens
+at a boundary.
 """
 
 from __future__ import annotations
@@ -196,6 +199,14 @@ class InPlaceController:
             named |= set(newest.lost) | set(newest.evicted)
         return (set(world.ranks()) & named) - {self.me}
 
+    def _left_out(self, world: WorldRecord | None) -> bool:
+        """Whether a newer world than ``world`` leaves this worker out (not as departing):
+        it was evicted, or its node was dropped (cut off longer than its lease). Its world
+        is then stale: the others have moved on, so it must never complete a step in it."""
+        newest = self.link.world
+        return (world is not None and newest is not None and newest.epoch > world.epoch
+                and self.me not in newest.ranks() and self.me not in newest.departed)
+
     def _on_message(self, message: dict[str, Any]) -> None:
         """Aborts the current world (or the one being built) when membership says so."""
         guard = self._guard
@@ -210,6 +221,9 @@ class InPlaceController:
         gone = self._members_gone(building or training)
         if gone:
             guard.abort(f"member(s) {', '.join(sorted(gone))} are gone")
+        elif self._left_out(building or training):
+            assert newest is not None
+            guard.abort(f"this worker is not in world epoch {newest.epoch}")
         elif self.link.evicted is not None or self.link.end is not None:
             guard.abort(self.link.evicted or "the run ended")
 

@@ -120,6 +120,9 @@ class LeaderLoop:
         self._evicting: tuple[str, ...] = ()
         #: (epoch, when) of the first failed build reported for the current world.
         self._rebuild_since: tuple[int, float] | None = None
+        #: Worker incarnations evicted by the progress rule: never admitted again (their agent
+        #: kills them; until it has, their node record still shows them ready).
+        self._evicted: set[str] = set()
         self.stats = LeaderStats()
         self.leading = False
         view.add_listener(self._wake.set)
@@ -216,14 +219,19 @@ class LeaderLoop:
             self._ended = True
             self._end_run(ended)
             return _IDLE_WAKE_S
+        if current is not None:
+            self._evicted |= set(current.evicted)  # a previous leader's evictions too
         if current is not None and current.members and not self._ended:
             slow = laggards(current, nodes)
             if slow:
-                nodes = _without_workers(nodes, slow)
+                self._evicted |= set(slow)
                 self._evicting = slow
                 logger.warning("evicting worker(s) %s: every other worker has waited for "
                                "them in the step's collective past the hang threshold",
                                ", ".join(slow))
+        self._evicted &= {f"{n.node}/{w.local_id}" for n in nodes for w in n.workers}
+        if self._evicted:
+            nodes = _without_workers(nodes, sorted(self._evicted))
         proposal = next_world(current, nodes, min_nodes=self._limits.min_nodes,
                               max_nodes=self._limits.max_nodes, used_stores=self._used_stores)
         if proposal is None and current is not None and current.members:
@@ -268,7 +276,12 @@ class LeaderLoop:
                          and w not in proposal.departed and w not in evicted)
             self._write(proposal.with_changes(evicted=evicted, lost=lost), current)
             return 0.0
-        if self._settled(proposal, nodes):
+        # After a restart-mode "everyone restart" world, the node records still show the
+        # incarnations being restarted as ready until their agents publish the new ones: a
+        # full world must settle too, or it is formed from stale incarnations, which makes
+        # the agents restart again, and again (a storm of empty and full worlds).
+        restarting = current is not None and not current.members and current.mode == "restart"
+        if self._settled(proposal, nodes, shortcut=not restarting):
             self._write(proposal, current)
             return 0.0
         return self._remaining_settle()
@@ -288,12 +301,14 @@ class LeaderLoop:
         return max(0.0, self._limits.rebuild_after
                    - (time.monotonic() - self._rebuild_since[1]))
 
-    def _settled(self, proposal: WorldRecord, nodes: Sequence[NodeRecord]) -> bool:
-        """Whether ``proposal`` stayed the same for the last call (or nobody else can come)."""
+    def _settled(self, proposal: WorldRecord, nodes: Sequence[NodeRecord], *,
+                 shortcut: bool = True) -> bool:
+        """Whether ``proposal`` stayed the same for the last call (or, with ``shortcut``,
+        nobody else can come)."""
         signature = (proposal.ranks(), proposal.mode)
         if self._pending != signature:
             self._pending, self._pending_since = signature, time.monotonic()
-        return self._remaining_settle() <= 0 or self._complete(nodes, proposal)
+        return self._remaining_settle() <= 0 or (shortcut and self._complete(nodes, proposal))
 
     def _remaining_settle(self) -> float:
         return max(0.0, self._limits.last_call - (time.monotonic() - self._pending_since))

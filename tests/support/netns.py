@@ -49,7 +49,9 @@ Running code inside a host (``host`` is any of ``cluster.nodes``, ``cluster.etcd
   the root namespace: tell libraries the address or the interface explicitly. gloo needs
   ``GLOO_SOCKET_IFNAME=eth0`` (``host.process_env()`` adds it; without it gloo falls back to
   the namespace's loopback and ranks on different nodes never connect); torch's agent
-  advertises ``socket.getfqdn()`` unless given the node's address.
+  advertises ``socket.getfqdn()`` unless given the node's address. ``elastic-run`` needs
+  neither: it registers the address of the interface that reaches etcd and tells its
+  workers' gloo that interface (:mod:`tests.support.netns_job` runs it as a user would).
 
 Faults (rules on the switch, so no host's kernel knows of them; ARP always passes, as in a
 cloud network that answers ARP for instances that are gone, so no peer ever gets "No route

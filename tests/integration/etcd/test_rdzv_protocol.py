@@ -151,3 +151,51 @@ def test_a_finished_job_id_is_reused_after_its_end_lingered(
     time.sleep(4)  # the end record's lease expires (etcd checks leases every 0.5 s)
     fresh = open_run(client, base)
     assert fresh.ended is None and fresh.keys.generation == 2
+
+
+def test_an_evicted_worker_stays_out_until_its_agent_replaces_it(
+    etcd_server: object, keys: JobKeys, sims: list[Sim]
+) -> None:
+    # max_nodes reached with every slot ready skips the settle: an evicted worker whose
+    # record still says ready (its agent has not killed it yet) must not be let back in.
+    limits = RunLimits(min_nodes=1, max_nodes=3, last_call=0.3)
+    sims += [Sim(etcd_server, keys, limits, port=4000 + i).join() for i in range(3)]
+    world = wait_world(sims[0], lambda w: len(w.members) == 3)
+    laggard = sims[2]
+    for sim in sims[:2]:  # every other worker waits for it in step 7's collective
+        sim.run.update(waiting={"epoch": world.epoch, "step": 7, "workers": ["0.1"]})
+    slow = f"{laggard.me}/0.1"
+    after = wait_world(sims[0], lambda w: w.epoch > world.epoch)
+    assert after.evicted == (slow,) and slow not in after.ranks()
+    time.sleep(5 * limits.last_call)
+    assert sims[0].run.world() == after, "the evicted worker was admitted again"
+    laggard.run.update(workers=(WorkerSlot(0, 2, True, True, 0),))  # its replacement
+    back = wait_world(sims[0], lambda w: f"{laggard.me}/0.2" in w.ranks())
+    assert slow not in back.ranks()
+
+
+def test_after_everyone_restarts_the_next_world_waits_for_the_new_incarnations(
+    etcd_server: object, keys: JobKeys, sims: list[Sim]
+) -> None:
+    # Restart mode (workers not in-place capable). A node joins a running world of two: the
+    # leader writes an empty "everyone restart" world; the records still show the old
+    # incarnations ready until each agent has restarted its workers. A world formed from
+    # them would be stale at once (a storm of restarts), even with every node present.
+    limits = RunLimits(min_nodes=2, max_nodes=3, last_call=1.0)
+    sims += [Sim(etcd_server, keys, limits, port=4000 + i).join() for i in range(2)]
+    for sim in sims:
+        sim.record = sim.record.with_changes(
+            workers=(WorkerSlot(0, 1, True, False, 0),))
+        sim.run.update(workers=sim.record.workers)
+    first = wait_world(sims[0], lambda w: len(w.members) == 2 and w.mode == "restart")
+    late = Sim(etcd_server, keys, limits, port=4002)
+    late.record = late.record.with_changes(workers=(WorkerSlot(0, 1, True, False, 0),))
+    sims.append(late.join())
+    empty = wait_world(sims[0], lambda w: w.epoch > first.epoch and not w.members)
+    time.sleep(0.3)  # the agents are still restarting: no world of their old incarnations
+    assert sims[0].run.world() == empty
+    for sim in sims[:2]:  # each restarts its worker: incarnation 2
+        sim.run.update(workers=(WorkerSlot(0, 2, True, False, 0),))
+    full = wait_world(sims[0], lambda w: len(w.members) == 3)
+    assert full.epoch == empty.epoch + 1
+    assert sorted(w.split("/")[1] for w in full.ranks()) == ["0.1", "0.2", "0.2"]

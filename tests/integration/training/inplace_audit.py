@@ -63,11 +63,13 @@ def read_audit(audit_dir: Path) -> Audit:
     done: list[dict[str, Any]] = []
     setups: list[dict[str, Any]] = []
     for path in sorted(audit_dir.glob("pid*.jsonl")):
+        pid = int(path.name.removeprefix("pid").removesuffix(".jsonl"))
         for line in path.read_text().splitlines():
             try:
                 record = json.loads(line)
             except ValueError:
                 continue  # a line cut by SIGKILL
+            record.setdefault("pid", pid)  # the writer's (its file's name)
             {"gen": gens, "batch": batches, "done": done,
              "setup": setups}[record["kind"]].append(record)
     return Audit(gens, batches, done, setups)

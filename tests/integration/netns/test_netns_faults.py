@@ -1,0 +1,405 @@
+"""Silent hosts, hosts that come back, partitions and hung workers, on real hosts.
+
+Real ``elastic-run`` jobs (``tests/integration/training/inplace_worker.py``: float64, in place,
+per-sample audit) run on clusters of network namespaces: every node's agent and worker in a
+namespace of its own with its own address, etcd in another, the faults on the switch between
+them (:mod:`tests.support.netns`, :mod:`tests.support.netns_job`). The agents get the flags a
+user passes and no more: the node counts, ``--etcd`` and ``--job-id``; they find their own
+address (the interface that reaches etcd) and nothing tells gloo which interface to use.
+
+To keep the suite short, two jobs carry every fault, one after the other (each fault's
+survivors are the workers of the nodes it did not hit; a gate file holds the job between
+faults until a returning node's new worker is in the world):
+
+* **hosts** (3 nodes, ``--min-nodes 2 --max-nodes 3``): a node's link is cut and restored
+  (host returns), the rank-0 node is cut from etcd only and healed, then a node's link is cut
+  for good (silent host) and the other two finish;
+* **workers** (2 nodes, ``--min-nodes 1 --max-nodes 2``): a worker is SIGSTOPped (its agent
+  replaces it at the heartbeat TTL), its replacement hangs live before its step's collective
+  (the progress rule evicts it), then the node's whole process tree is SIGKILLed (the
+  survivor's agent probes its registered address and removes it at once) and the survivor
+  finishes alone.
+
+Each test checks outcomes, not timing: the survivors finish, the final weights equal an
+undisturbed run's within 1e-9, every step trained its global batch exactly once (the audit),
+a cut-off worker neither trained nor committed a checkpoint in its stale world, and nothing of
+a job's cluster is left. Each fault's test prints the survivors' measured stall: the time from
+the fault until every survivor completed a step in the next world, from their own step
+timestamps (see ``docs-snippets/silent-hosts.md``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from elastic.inplace.liveness import probe
+from tests.integration.training.inplace_audit import Audit, check_exactly_once, read_audit
+from tests.support import hang, proctree
+from tests.support.netns import NetnsCluster
+from tests.support.netns_job import (
+    DATASET,
+    GLOBAL_BATCH,
+    SEED,
+    Fault,
+    Launcher,
+    NetnsJob,
+    commits,
+    current_world,
+    environ_of,
+    inplace_worker_args,
+    log_lines,
+    stall,
+    tcp_sockets,
+    undisturbed_run,
+)
+from tests.support.netns_pytest import new_cluster, require_netns
+
+pytestmark = [pytest.mark.netns, pytest.mark.slow, pytest.mark.etcd,
+              pytest.mark.timeout(420)]
+
+STEPS, STEP_TIME, WARM_UP = 120, 0.05, 8
+WAIT = 150.0
+
+
+@dataclass
+class Run:
+    """One job's run through its faults, for the tests to check."""
+
+    cluster: NetnsCluster
+    job: NetnsJob
+    agents: list[Launcher]
+    faults: dict[str, Fault] = field(default_factory=dict)
+    codes: list[int] = field(default_factory=list)
+    facts: dict[str, Any] = field(default_factory=dict)
+
+    def audit(self) -> Audit:
+        return read_audit(self.job.audit_dir)
+
+
+@pytest.fixture(scope="module")
+def undisturbed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
+    """The final weights of the same job with no fault (one process, no launcher)."""
+    require_netns()  # where the scenarios skip, so does their reference
+    root = tmp_path_factory.mktemp("undisturbed")
+    weights: dict[str, torch.Tensor] = torch.load(undisturbed_run(root, steps=STEPS),
+                                                  weights_only=True)
+    check_exactly_once(read_audit(root / "audit"), steps=STEPS, global_batch=GLOBAL_BATCH,
+                       dataset=DATASET, seed=SEED)
+    return weights
+
+
+@contextlib.contextmanager
+def _cluster_and_job(root: Path, nodes: int) -> Iterator[tuple[NetnsCluster, NetnsJob]]:
+    require_netns()
+    cluster = new_cluster(nodes=nodes, etcd_members=1)
+    with cluster:
+        job = NetnsJob(cluster, root, inplace_worker_args(root, steps=STEPS,
+                                                          step_time=STEP_TIME),
+                       job_id=f"netns-{uuid.uuid4().hex[:8]}")
+        try:
+            yield cluster, job
+        finally:
+            job.stop()
+            hang.release_all(cluster.hang_file)
+    cluster.assert_clean()
+
+
+def _observe_addresses(cluster: NetnsCluster, job: NetnsJob) -> dict[str, Any]:
+    """What each node registered, where its liveness port and its store listen, what a
+    probe from another node's namespace gets, and where its worker's connections go."""
+    world = current_world(cluster, job.job_id)
+    by_address = {node.address: node for node in cluster.nodes}
+    facts: dict[str, Any] = {"world": world, "members": []}
+    for member in world.members if world is not None else ():
+        node = by_address.get(member.addr)
+        agent = next((a for a in job.launchers if a.host is node), None)
+        listening = ({s.local for s in tcp_sockets(agent.pid) if s.state == "LISTEN"}
+                     if agent is not None else set())
+        other = next(n for n in cluster.nodes if n is not node)
+        facts["members"].append({
+            "node": node, "addr": member.addr, "probe_port": member.probe_port,
+            "listening": listening,
+            "probe_from_other": other.call(probe, member.addr, member.probe_port, 2.0),
+        })
+    facts["workers"] = []
+    for agent in job.launchers:
+        worker = agent.worker()
+        facts["workers"].append({
+            "node": agent.host, "ifname": environ_of(worker).get("GLOO_SOCKET_IFNAME"),
+            "peers": {s.remote[0] for s in tcp_sockets(worker) if s.state == "ESTABLISHED"},
+        })
+    return facts
+
+
+def _print_stall(run: Run, kind: str) -> float:
+    fault = run.faults[kind]
+    measured = stall(run.audit(), fault)
+    print(f"\n[netns] {kind}: the survivors stalled {measured:.2f} s (fault in world "
+          f"generation {fault.gen}, survivors {sorted(fault.survivors)})")
+    return measured
+
+
+def _check_never_stale(run: Run, kind: str) -> None:
+    """The workers the fault hit completed no step, and no checkpoint of their old world was
+    committed, once the survivors had moved on without them."""
+    fault, audit = run.faults[kind], run.audit()
+    moved_on = min(float(d["t"]) for d in audit.done
+                   if int(d["pid"]) in fault.survivors and int(d["gen"]) > fault.gen)
+    stale = [d for d in audit.done if int(d["pid"]) in fault.hit and float(d["t"]) > moved_on]
+    assert not stale, f"workers cut off from the job trained on: {stale}"
+    late = [c for c in commits(run.job.checkpoint_dir)
+            if int(c["round"]) <= fault.gen and float(c["created_at"]) > moved_on]
+    assert not late, f"checkpoints of a stale world committed after the job moved on: {late}"
+
+
+def _check_outcome(run: Run, undisturbed: dict[str, torch.Tensor], survivors: int) -> None:
+    assert run.codes == [0] * survivors, run.job.logs()
+    check_exactly_once(run.audit(), steps=STEPS, global_batch=GLOBAL_BATCH, dataset=DATASET,
+                       seed=SEED)
+    weights = torch.load(run.job.weights, weights_only=True)
+    worst = max((weights[k] - undisturbed[k]).abs().max().item() for k in undisturbed)
+    assert worst < 1e-9, f"final weights differ from the undisturbed run's by {worst}"
+
+
+def _aborted_on_membership(agent: Launcher) -> list[str]:
+    return log_lines(agent.output(), r"aborted \(member\(s\) .* are gone\)")
+
+
+# ---- the hosts job ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
+    with _cluster_and_job(tmp_path_factory.mktemp("hosts"), 3) as (cluster, job):
+        run = Run(cluster, job, job.start_together(("--min-nodes", "2", "--max-nodes", "3"),
+                                                    warm_up=WARM_UP, timeout_s=WAIT))
+        run.facts["addresses"] = _observe_addresses(cluster, job)
+
+        # A host goes silent, then comes back at the same address.
+        job.run_ahead(40, STEPS)
+        back = job.node_of_rank(1)
+        run.facts["returned"] = back
+        cut = run.faults["host returns"] = job.fault("host returns", back,
+                                                     lambda: cluster.cut_link(back))
+        job.wait_moved_on(cut, WAIT)  # so its lease has expired: the others dropped it
+        job.run_ahead(2, STEPS)
+        cluster.restore_link(back)
+        job.wait_world(3, cut.gen, "the returned node's new worker in a world of 3",
+                       lambda pids: bool(pids - cut.survivors - cut.hit))
+
+        # The rank-0 node (whose worker commits the checkpoints) loses etcd but not its
+        # peers; it must not commit, and its worker's failure (its peers moved on without
+        # it) is the partition's, not a crash.
+        job.run_ahead(60, STEPS)
+        rank0 = job.node_of_rank(0)
+        run.facts["partitioned"] = rank0
+        (partitioned_agent,) = job.on(rank0)
+        cut_off = run.faults["etcd-only partition"] = job.fault(
+            "etcd-only partition", rank0, lambda: cluster.partition_from_etcd(rank0))
+        job.wait_moved_on(cut_off, WAIT)
+        deadline = time.monotonic() + 30
+        while not log_lines(partitioned_agent.output(), r"worker 0\.\d+ failed") \
+                and time.monotonic() < deadline:
+            time.sleep(0.2)
+        job.run_ahead(2, STEPS)
+        cluster.heal_from_etcd(rank0)
+        job.wait_world(3, cut_off.gen, "the partitioned node's new worker in a world of 3",
+                       lambda pids: bool(pids - cut_off.survivors - cut_off.hit))
+
+        # A host goes silent for good (rank 0's: the first survivor of the last change): the
+        # other two finish the job.
+        job.open_gate(STEPS)
+        silent = job.node_of_rank(0)
+        run.facts["silent"] = silent
+        run.faults["silent host"] = job.fault("silent host", silent,
+                                              lambda: cluster.cut_link(silent))
+        run.codes = job.wait_launchers([a for a in run.agents if a.host is not silent], WAIT)
+        run.facts["dropped"] = cluster.dropped_packets()
+        yield run
+
+
+def test_hosts_every_node_is_dialled_at_its_registered_address_in_its_own_namespace(
+    hosts: Run,
+) -> None:
+    # Nobody passed --local-addr or GLOO_SOCKET_IFNAME: each node registered the address of
+    # its interface that reaches etcd, its agent's liveness port listens there (inside its
+    # own namespace: the address exists nowhere else), a probe dialled from another node's
+    # namespace connects, and gloo was told that interface, so the workers' connections run
+    # between the nodes' addresses.
+    facts = hosts.facts["addresses"]
+    nodes = hosts.cluster.nodes
+    assert facts["world"] is not None and len(facts["members"]) == len(nodes)
+    for member in facts["members"]:
+        assert member["node"] is not None, f"{member['addr']} is no node's address"
+        assert (member["addr"], member["probe_port"]) in member["listening"], member
+        assert member["probe_from_other"] is True, member
+    assert facts["world"].store[0] in {n.address for n in nodes}
+    for worker in facts["workers"]:
+        assert worker["ifname"] == worker["node"].ifname, worker
+        others = {n.address for n in nodes} - {worker["node"].address}
+        assert worker["peers"] & others, worker
+
+
+def test_hosts_the_job_trains_every_sample_once_and_ends_with_the_undisturbed_weights(
+    hosts: Run, undisturbed: dict[str, torch.Tensor],
+) -> None:
+    _check_outcome(hosts, undisturbed, survivors=2)
+    assert hosts.facts["dropped"] > 0  # the faults did drop traffic
+
+
+def test_a_host_that_returns_rejoins_without_disturbing_the_job(hosts: Run) -> None:
+    _print_stall(hosts, "host returns")
+    fault = hosts.faults["host returns"]
+    _check_never_stale(hosts, "host returns")
+    audit = hosts.audit()
+    # Its agent found its lease gone, stopped its old worker and joined again as a new node;
+    # the new worker was healed by a survivor, not from storage.
+    (agent,) = hosts.job.on(hosts.facts["returned"])
+    returned = agent.output()
+    assert log_lines(returned, "joined again as node"), returned[-3000:]
+    newcomers = {int(g["pid"]) for g in audit.gens} - fault.survivors - fault.hit
+    assert newcomers
+    first = min((g for g in audit.gens if int(g["pid"]) in newcomers),
+                key=lambda g: int(g["gen"]))
+    assert first["received"] and first["storage_loads"] == 0, first
+
+
+def test_a_node_cut_from_etcd_only_commits_nothing_and_is_not_charged_a_crash(
+    hosts: Run,
+) -> None:
+    _print_stall(hosts, "etcd-only partition")
+    _check_never_stale(hosts, "etcd-only partition")
+    (agent,) = hosts.job.on(hosts.facts["partitioned"])
+    log = agent.output()
+    failed = log_lines(log, r"worker 0\.\d+ failed")
+    assert failed, log[-3000:]
+    assert not [line for line in failed if ", crash:" in line], failed
+    # While its lease was not fresh but etcd still held it (about half the TTL), its worker
+    # was rank 0 of a live world: the commit fence refused its checkpoints (how many depends
+    # on how many steps fit in that window; what matters is checked above: none of them, and
+    # nothing later, is on storage).
+    refused = {int(m) for line in log_lines(log, r"so step \(\d+\) was not committed")
+               for m in re.findall(r"so step \((\d+)\) was not committed", line)}
+    print(f"[netns] checkpoints the commit fence refused on the cut-off node: "
+          f"steps {sorted(refused)}")
+
+
+def test_a_silent_host_costs_the_survivors_its_lease_not_a_collective_timeout(
+    hosts: Run,
+) -> None:
+    _print_stall(hosts, "silent host")
+    _check_never_stale(hosts, "silent host")
+    # The survivors' workers aborted their world because membership said the silent host
+    # was gone (its lease expired), not because a collective timed out.
+    for survivor in hosts.agents:
+        if survivor.host is not hosts.facts["silent"]:
+            assert _aborted_on_membership(survivor), survivor.output()[-3000:]
+
+
+def test_hosts_nothing_of_the_cluster_is_left(hosts: Run) -> None:
+    hosts.job.stop()
+    hosts.cluster.close()
+    hosts.cluster.assert_clean()
+
+
+# ---- the workers job -------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def workers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
+    with _cluster_and_job(tmp_path_factory.mktemp("workers"), 2) as (cluster, job):
+        n1 = cluster.nodes[1]
+        run = Run(cluster, job, job.start_together(("--min-nodes", "1", "--max-nodes", "2"),
+                                                    warm_up=WARM_UP, timeout_s=WAIT))
+
+        # A worker stops (SIGSTOP): its agent hears no heartbeat for the TTL and replaces it.
+        job.run_ahead(40, STEPS)
+        stopped = run.agents[1].worker()
+        sigstop = run.faults["worker SIGSTOP"] = job.fault(
+            "worker SIGSTOP", n1, lambda: proctree.sigstop(stopped), hit=[stopped])
+        job.wait_moved_on(sigstop, WAIT)
+        job.run_ahead(2, STEPS)
+        job.wait_world(2, sigstop.gen, "the stopped worker's replacement in the world",
+                       lambda pids: stopped not in pids and bool(pids - sigstop.survivors))
+        run.facts["stopped_alive"] = proctree.alive(stopped)
+
+        # The replacement hangs live before its step's collective (its threads run on).
+        job.run_ahead(40, STEPS)
+        hung = run.agents[1].worker()
+
+        def hang_it() -> None:
+            cluster.hang_worker(hung)
+            cluster.wait_hung(hung, 30.0)
+
+        live = run.faults["live hang"] = job.fault("live hang", n1, hang_it, hit=[hung])
+        job.wait_moved_on(live, WAIT)
+        cluster.release_worker(hung)  # were it still alive, it would go on now
+        job.run_ahead(2, STEPS)
+        job.wait_world(2, live.gen, "the hung worker's replacement in the world",
+                       lambda pids: hung not in pids and bool(pids - live.survivors))
+        run.facts["hung_alive"] = proctree.alive(hung)
+
+        # The node's whole process tree dies while the two train together: its kernel
+        # refuses the survivor's connections and probes at once.
+        job.open_gate(STEPS)
+        now = job.latest_step(job.audit())
+        job.wait_for(lambda a: job.latest_step(a) >= now + 2, "two steps of a world of 2", WAIT)
+        run.faults["node tree killed"] = job.fault("node tree killed", n1, run.agents[1].kill)
+        run.codes = job.wait_launchers(run.agents[:1], WAIT)
+        yield run
+
+
+def test_workers_the_job_trains_every_sample_once_and_ends_with_the_undisturbed_weights(
+    workers: Run, undisturbed: dict[str, torch.Tensor],
+) -> None:
+    _check_outcome(workers, undisturbed, survivors=1)
+
+
+def test_a_stopped_worker_goes_at_its_heartbeat_ttl_and_is_replaced(workers: Run) -> None:
+    _print_stall(workers, "worker SIGSTOP")
+    _check_never_stale(workers, "worker SIGSTOP")
+    assert not workers.facts["stopped_alive"]
+    assert log_lines(workers.agents[1].output(), r"worker 0\.1 sent no heartbeat")
+    assert _aborted_on_membership(workers.agents[0])
+
+
+def test_a_live_hung_worker_is_evicted_by_the_progress_rule_and_applies_no_stale_step(
+    workers: Run,
+) -> None:
+    _print_stall(workers, "live hang")
+    _check_never_stale(workers, "live hang")
+    fault = workers.faults["live hang"]
+    (hung,) = fault.hit
+    survivor, node = workers.agents[0].output(), workers.agents[1].output()
+    assert log_lines(survivor, r"waited .* in the collective of step"), survivor[-3000:]
+    assert log_lines(node, r"worker 0\.2 was evicted"), node[-3000:]
+    assert not workers.facts["hung_alive"]
+    late = [d for d in workers.audit().done if int(d["pid"]) == hung and float(d["t"]) > fault.t]
+    assert not late, f"the hung worker completed a step after it hung: {late}"
+
+
+def test_a_dead_nodes_registered_address_is_probed_and_it_is_removed_at_once(
+    workers: Run,
+) -> None:
+    _print_stall(workers, "node tree killed")
+    # The survivor's agent dialled the dead node's liveness port at its registered address,
+    # inside the dead node's namespace, whose kernel refused: its record went at once, not
+    # at its lease's expiry.
+    survivor = workers.agents[0].output()
+    assert log_lines(survivor, "liveness port refuses"), survivor[-3000:]
+
+
+def test_workers_nothing_of_the_cluster_is_left(workers: Run) -> None:
+    workers.job.stop()
+    workers.cluster.close()
+    workers.cluster.assert_clean()

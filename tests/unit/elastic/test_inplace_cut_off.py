@@ -1,0 +1,143 @@
+"""A worker cut off from its job never commits a checkpoint and never trains on in a stale
+world.
+
+The manager asks ``commit_fence`` right before it writes a commit record; the in-place
+controller answers from what the node agent told the worker over the real local channel
+(its node's lease state, an eviction) and from its own world's abort. A newer world that
+leaves the worker itself out (evicted, its node dropped) aborts the world it trains in.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from checkpointing import CheckpointManager
+from checkpointing.errors import CheckpointCommitError
+from elastic.agent_link import AgentLink
+from elastic.inplace.abort import WorldAbort
+from elastic.inplace.controller import InPlaceController
+from elastic.rdzv.records import WorldMember, WorldRecord
+from launch.channel import ChannelServer, WorkerConnection
+
+
+def test_a_fenced_commit_writes_no_commit_record_and_the_previous_one_stays_latest(
+    tmp_path: Path,
+) -> None:
+    manager = CheckpointManager(str(tmp_path), async_mode="disabled")
+    state = {"w": torch.arange(4.0)}
+    fence_open = [True]
+    manager.commit_fence = lambda: fence_open[0]
+    try:
+        assert manager.save(1, state).committed.result().step == 1
+        fence_open[0] = False
+        refused = manager.save(2, state)
+        with pytest.raises(CheckpointCommitError, match=r"step \(2\) was not committed"):
+            refused.committed.result()
+        committed = sorted(p.parent.name for p in tmp_path.glob("*/COMMIT.json"))
+        assert len(committed) == 1 and committed[0].startswith("step-0000000001")
+        latest = manager.latest()
+        assert latest is not None and latest.step == 1
+        fence_open[0] = True  # back in the job: the next save commits again
+        assert manager.save(3, state).committed.result().step == 3
+    finally:
+        manager.close()
+
+
+class _Agent:
+    """The agent's end of a real channel, welcoming one worker."""
+
+    def __init__(self) -> None:
+        self.server = ChannelServer(self._on_message, lambda _c: None,
+                                    accept=lambda pid: pid == os.getpid())
+
+    def _on_message(self, connection: WorkerConnection, message: dict[str, Any]) -> None:
+        if message.get("type") == "hello":
+            connection.send({"type": "welcome", "node": "n0", "worker": "n0/0.1",
+                             "world": None, "lease_ok": True, "end": None})
+
+
+@pytest.fixture
+def controller() -> Iterator[tuple[_Agent, InPlaceController]]:
+    agent = _Agent()
+    link = AgentLink(agent.server.path, local_rank=0, incarnation=1)
+    ctl = InPlaceController(link, backend="gloo", device=torch.device("cpu"),
+                            build_timeout=timedelta(seconds=5), train_timeout=None)
+    try:
+        yield agent, ctl
+    finally:
+        link.close()
+        agent.server.close()
+
+
+def test_the_controller_fences_commits_while_the_nodes_lease_is_not_fresh(
+    controller: tuple[_Agent, InPlaceController],
+) -> None:
+    agent, ctl = controller
+    assert ctl.may_commit()
+    agent.server.broadcast({"type": "lease", "lease_ok": False})  # etcd unreachable
+    assert ctl.link.wait(lambda link: not link.lease_ok, 5.0)
+    assert not ctl.may_commit()
+    agent.server.broadcast({"type": "lease", "lease_ok": True})
+    assert ctl.link.wait(lambda link: link.lease_ok, 5.0)
+    assert ctl.may_commit()
+
+
+def test_the_controller_fences_commits_once_evicted_or_its_world_aborted(
+    controller: tuple[_Agent, InPlaceController],
+) -> None:
+    agent, ctl = controller
+    guard = WorldAbort(name="epoch 1")
+    ctl._guard = guard
+    assert ctl.may_commit()
+    guard.abort("member(s) n1/0.1 are gone")
+    assert not ctl.may_commit()
+    ctl._guard = WorldAbort(name="epoch 2")  # the next world, built
+    assert ctl.may_commit()
+    agent.server.broadcast({"type": "evict", "reason": "held the step back"})
+    assert ctl.link.wait(lambda link: link.evicted is not None, 5.0)
+    assert not ctl.may_commit()
+
+
+def _world(epoch: int, *members: tuple[str, str], departed: tuple[str, ...] = ()
+           ) -> WorldRecord:
+    return WorldRecord(epoch, tuple(WorldMember(node, "10.0.0.1", (local,), 1)
+                                    for node, local in members),
+                       ("10.0.0.1", 1), "inplace", departed=departed)
+
+
+def _tell(agent: _Agent, ctl: InPlaceController, world: WorldRecord) -> None:
+    agent.server.broadcast({"type": "world", "world": world.to_json()})
+    assert ctl.link.wait(lambda link: link.world is not None
+                         and link.world.epoch == world.epoch, 5.0)
+    time.sleep(0.1)  # the listener runs right after the world is applied
+
+
+def test_a_newer_world_that_leaves_the_worker_out_aborts_its_stale_world(
+    controller: tuple[_Agent, InPlaceController],
+) -> None:
+    agent, ctl = controller
+    ctl.world = _world(1, ("n0", "0.1"), ("n1", "0.1"))
+    ctl._guard = guard = WorldAbort(name="epoch 1")
+    _tell(agent, ctl, _world(2, ("n0", "0.1"), ("n1", "0.1"), ("n2", "0.1")))  # growth
+    assert not guard.aborted
+    _tell(agent, ctl, _world(3, ("n1", "0.1"), ("n2", "0.1")))  # n0 dropped or evicted
+    assert guard.aborted and guard.reason == "this worker is not in world epoch 3"
+    assert not ctl.may_commit()
+
+
+def test_a_departing_worker_left_out_of_the_next_world_is_not_aborted(
+    controller: tuple[_Agent, InPlaceController],
+) -> None:
+    agent, ctl = controller
+    ctl.world = _world(1, ("n0", "0.1"), ("n1", "0.1"))
+    ctl._guard = guard = WorldAbort(name="epoch 1")
+    _tell(agent, ctl, _world(2, ("n1", "0.1"), departed=("n0/0.1",)))
+    assert not guard.aborted  # a planned change: it leaves at a step boundary
