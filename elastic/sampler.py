@@ -277,28 +277,32 @@ class ElasticSampler(Sampler[int]):
 
     # -- positions: which places of which epoch orders this rank takes ---------------------
 
-    def _step_positions(self) -> Iterator[PositionBatch]:
-        """Stream mode: this rank's ``(epochs, positions)`` of each step, from the cursor.
+    def _step_blocks(self) -> tuple[int, Iterator[PositionBatch]]:
+        """Stream mode: this rank's share per step, and its ``(epochs, positions)`` in blocks of
+        whole steps, from the cursor.
 
         Step ``s`` is the stream offsets ``[s * G, (s + 1) * G)`` from the cursor (a step
         boundary); this rank takes the offsets ``j`` with ``j % W == rank``. Offset ``o`` is
         position ``(consumed + o) % L`` of epoch ``epoch + (consumed + o) // L`` (``L`` the
-        epoch length). Snapshots the cursor and the world when called.
+        epoch length). Blocks of several steps (:meth:`_steps_per_block`) evaluate the order in
+        few numpy calls. Snapshots the cursor and the world.
         """
         assert self._global_batch is not None
         step, world, rank = self._global_batch, self._world_size, self._rank
         epoch, consumed, length = self._epoch, self._consumed, self._epoch_length()
         share = step // world + (1 if rank < step % world else 0)
-        offsets = consumed + rank + world * np.arange(share, dtype=np.int64)
+        per_block = self._steps_per_block(share)
+        offsets = (consumed + rank + world * np.arange(share, dtype=np.int64)
+                   + step * np.arange(per_block, dtype=np.int64)[:, None]).ravel()
 
-        def steps() -> Iterator[PositionBatch]:
+        def blocks() -> Iterator[PositionBatch]:
             base = 0
             while True:
                 absolute = offsets + base
                 yield epoch + absolute // length, absolute % length
-                base += step
+                base += step * per_block
 
-        return steps()
+        return share, blocks()
 
     def _epoch_positions(self) -> Iterator[PositionBatch]:
         """Per-epoch mode: this rank's ``(epochs, positions)`` in chunks (see the class's
@@ -320,7 +324,7 @@ class ElasticSampler(Sampler[int]):
         datasets that map positions to samples themselves
         (:class:`~elastic.stream.ElasticShardedStream`). Snapshots the cursor and the world."""
         if self._global_batch is not None:
-            return self._step_positions()
+            return self._step_blocks()[1]
         return self._epoch_positions()
 
     def position_batches(self, plan: BatchPlan) -> Iterator[PositionBatch]:
@@ -332,6 +336,20 @@ class ElasticSampler(Sampler[int]):
         Raises:
             ConfigError: Outside stream mode, or if ``plan`` is for another world.
         """
+        self._check_plan(plan)
+        share, blocks = self._step_blocks()
+        bounds = self._block_bounds(plan, share)
+        for epochs, positions in blocks:
+            for lo, hi in itertools.pairwise(bounds):
+                yield epochs[lo:hi], positions[lo:hi]
+
+    def _steps_per_block(self, share: int) -> int:
+        """Steps per block: about ``_CHUNK`` positions, and no more steps than an epoch holds
+        (a block then spans at most two epochs' orders)."""
+        assert self._global_batch is not None
+        return max(1, min(_CHUNK // share, self._epoch_length() // self._global_batch))
+
+    def _check_plan(self, plan: BatchPlan) -> None:
         if self._global_batch is None or plan.global_batch_size != self._global_batch:
             raise ConfigError(
                 f"micro_batches() needs stream mode with the plan's global batch "
@@ -342,10 +360,13 @@ class ElasticSampler(Sampler[int]):
                 f"the plan is for world size ({plan.world_size}) but the sampler is sharded "
                 f"for ({self._world_size}); reshard() it first."
             )
-        bounds = np.cumsum([0, *plan.micro_batch_sizes(self._rank)]).tolist()
-        for epochs, positions in self._step_positions():
-            for lo, hi in itertools.pairwise(bounds):
-                yield epochs[lo:hi], positions[lo:hi]
+
+    def _block_bounds(self, plan: BatchPlan, share: int) -> list[int]:
+        """Where the micro-batches of a block of :meth:`_step_blocks` start and end."""
+        sizes = plan.micro_batch_sizes(self._rank)
+        per_block = self._steps_per_block(share)
+        bounds: list[int] = np.cumsum([0, *sizes * per_block]).tolist()
+        return bounds
 
     # -- indices ----------------------------------------------------------------------------
 
@@ -364,10 +385,10 @@ class ElasticSampler(Sampler[int]):
         return out
 
     def _stream(self) -> Iterator[int]:
-        steps = self._step_positions()
+        blocks = self._step_blocks()[1]
 
         def indices() -> Iterator[int]:
-            for epochs, positions in steps:
+            for epochs, positions in blocks:
                 yield from self._indices(epochs, positions)
 
         return indices()
@@ -382,8 +403,13 @@ class ElasticSampler(Sampler[int]):
         Raises:
             ConfigError: Outside stream mode, or if ``plan`` is for another world.
         """
-        for epochs, positions in self.position_batches(plan):
-            yield self._indices(epochs, positions)
+        self._check_plan(plan)
+        share, blocks = self._step_blocks()
+        bounds = self._block_bounds(plan, share)
+        for epochs, positions in blocks:
+            indices = self._indices(epochs, positions)
+            for lo, hi in itertools.pairwise(bounds):
+                yield indices[lo:hi]
 
     def stream_positions(self, count: int) -> list[tuple[int, int]]:
         """``(epoch, index)`` of the next ``count`` stream positions, over all ranks.
