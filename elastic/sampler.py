@@ -108,6 +108,8 @@ class ElasticSampler(Sampler[int]):
             ``rank`` is outside ``[0, world_size)``.
     """
 
+    _STATE_SOURCE = "ElasticSampler.state_dict()"
+
     def __init__(
         self,
         dataset_size: int,
@@ -329,9 +331,10 @@ class ElasticSampler(Sampler[int]):
 
     def position_batches(self, plan: BatchPlan) -> Iterator[PositionBatch]:
         """``(epochs, positions)`` of this rank's micro-batches, step after step (stream mode):
-        what :meth:`micro_batches` maps to indices.
+        what :meth:`micro_batches` maps to indices, for datasets that map positions to samples
+        themselves (:class:`~elastic.stream.ElasticShardedStream`).
 
-        Snapshots the cursor and the world when iteration starts.
+        Checks the plan and snapshots the cursor and the world when called.
 
         Raises:
             ConfigError: Outside stream mode, or if ``plan`` is for another world.
@@ -339,9 +342,13 @@ class ElasticSampler(Sampler[int]):
         self._check_plan(plan)
         share, blocks = self._step_blocks()
         bounds = self._block_bounds(plan, share)
-        for epochs, positions in blocks:
-            for lo, hi in itertools.pairwise(bounds):
-                yield epochs[lo:hi], positions[lo:hi]
+
+        def batches() -> Iterator[PositionBatch]:
+            for epochs, positions in blocks:
+                for lo, hi in itertools.pairwise(bounds):
+                    yield epochs[lo:hi], positions[lo:hi]
+
+        return batches()
 
     def _steps_per_block(self, share: int) -> int:
         """Steps per block: about ``_CHUNK`` positions, and no more steps than an epoch holds
@@ -509,34 +516,33 @@ class ElasticSampler(Sampler[int]):
                 shuffle, order) differs from this sampler's, or the cursor is out of range.
         """
         mine = self._identity()
-        required = [*_STATE_KEYS, *(key for key in mine if key not in _STATE_KEYS)]
-        missing = [key for key in required if key not in state_dict and key != "order"]
+        missing = [key for key in _STATE_KEYS if key not in state_dict]
+        if not missing:
+            saved_order = state_dict.get(
+                "order", _LEGACY_ORDER if state_dict["shuffle"] else _SEQUENTIAL)
+            if saved_order != mine["order"]:
+                why = (": the checkpoint was written before elastic-run drew its epoch orders "
+                       "in constant memory, so" if saved_order == _LEGACY_ORDER else ", so")
+                raise ConfigError(
+                    f"checkpointed sampler order ({saved_order}) differs from this sampler's "
+                    f"order ({mine['order']}){why} its cursor counts positions of another "
+                    "order; finish that run with the elastic-run version that wrote it or "
+                    "start in a new checkpoint directory."
+                )
+            missing = [key for key in mine if key not in state_dict and key != "order"]
         if missing:
             raise ConfigError(
                 f"sampler state is missing keys ({', '.join(missing)}); pass a dict saved by "
-                f"{type(self).__name__}.state_dict()."
+                f"{self._STATE_SOURCE}."
             )
         for key, value in mine.items():
-            if key == "order":
-                continue
-            saved = state_dict[key]
+            saved = state_dict.get(key, value)
             if saved != value:
                 raise ConfigError(
                     f"checkpointed sampler {key} ({saved}) differs from this sampler's {key} "
                     f"({value}); construct the sampler with the same dataset and {key} as the "
                     "run that wrote the checkpoint."
                 )
-        saved_order = state_dict.get(
-            "order", _LEGACY_ORDER if state_dict["shuffle"] else _SEQUENTIAL)
-        if saved_order != mine["order"]:
-            why = (": the checkpoint was written before elastic-run drew its epoch orders in "
-                   "constant memory, so" if saved_order == _LEGACY_ORDER else ", so")
-            raise ConfigError(
-                f"checkpointed sampler order ({saved_order}) differs from this sampler's order "
-                f"({mine['order']}){why} its cursor counts positions of another order; finish "
-                "that run with the elastic-run version that wrote it or start in a new "
-                "checkpoint directory."
-            )
         epoch = int(state_dict["epoch"])
         consumed = int(state_dict["consumed"])
         if epoch < 0 or not 0 <= consumed <= self._dataset_size:

@@ -6,11 +6,13 @@ import json
 import re
 from collections import Counter
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from elastic.errors import ConfigError
 from elastic.permutation import epoch_permutation
@@ -359,3 +361,34 @@ def test_a_trillion_samples_give_a_first_batch_at_once_in_constant_memory() -> N
                 for j in range(5, 1000, 7)]
     assert first_step == expected
     assert sampler.stream_positions(2) == [(3, order3[size - 400]), (3, order3[size - 399])]
+
+
+def test_the_managed_loop_refuses_a_checkpoint_of_the_randperm_order(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from torch import nn
+
+    from elastic.loop import ElasticLoop
+
+    def run(steps: int) -> None:
+        model = nn.Linear(2, 1)
+        loop = ElasticLoop(None, model=model,
+                           optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                           data=TensorDataset(torch.randn(20, 2), torch.randn(20, 1)),
+                           global_batch_size=4, max_steps=steps, checkpoint=str(tmp_path),
+                           install_signal_handler=False)
+        for x, y in loop.batches():
+            loop.backward(nn.functional.mse_loss(loop.model(x), y))
+
+    # What a checkpoint of the randperm-era sampler holds: its state had no "order".
+    current = ElasticSampler.state_dict
+    monkeypatch.setattr(ElasticSampler, "state_dict",
+                        lambda self: {k: v for k, v in current(self).items() if k != "order"})
+    run(2)
+    monkeypatch.undo()
+    # DCP finds the key missing before the sampler sees the state: still one sentence.
+    with pytest.raises(ConfigError, match=r"^the newest checkpoint in \(.*\) does not fit this "
+                       r"job's model or state \(.*Missing key in checkpoint state_dict: "
+                       r"elastic\.sampler\.order\.\); point the checkpoint URL at a new "
+                       r"directory or restore the code that wrote it\.$"):
+        run(4)
