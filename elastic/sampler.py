@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import itertools
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Final
 
 import numpy as np
@@ -518,16 +518,21 @@ class ElasticSampler(Sampler[int]):
         mine = self._identity()
         missing = [key for key in _STATE_KEYS if key not in state_dict]
         if not missing:
+            self._check_saved(state_dict, ("dataset_size", "seed", "shuffle"))
             saved_order = state_dict.get(
                 "order", _LEGACY_ORDER if state_dict["shuffle"] else _SEQUENTIAL)
             if saved_order != mine["order"]:
-                why = (": the checkpoint was written before elastic-run drew its epoch orders "
-                       "in constant memory, so" if saved_order == _LEGACY_ORDER else ", so")
+                if saved_order == _LEGACY_ORDER:
+                    why = (": the checkpoint was written before elastic-run drew its epoch "
+                           "orders in constant memory, so its cursor counts positions of "
+                           "another order; finish that run with the elastic-run version that "
+                           "wrote it")
+                else:
+                    why = (", so its cursor counts positions of another order; resume it with "
+                           "the kind of sampler (or stream) that wrote it")
                 raise ConfigError(
                     f"checkpointed sampler order ({saved_order}) differs from this sampler's "
-                    f"order ({mine['order']}){why} its cursor counts positions of another "
-                    "order; finish that run with the elastic-run version that wrote it or "
-                    "start in a new checkpoint directory."
+                    f"order ({mine['order']}){why} or start in a new checkpoint directory."
                 )
             missing = [key for key in mine if key not in state_dict and key != "order"]
         if missing:
@@ -535,14 +540,7 @@ class ElasticSampler(Sampler[int]):
                 f"sampler state is missing keys ({', '.join(missing)}); pass a dict saved by "
                 f"{self._STATE_SOURCE}."
             )
-        for key, value in mine.items():
-            saved = state_dict.get(key, value)
-            if saved != value:
-                raise ConfigError(
-                    f"checkpointed sampler {key} ({saved}) differs from this sampler's {key} "
-                    f"({value}); construct the sampler with the same dataset and {key} as the "
-                    "run that wrote the checkpoint."
-                )
+        self._check_saved(state_dict, [key for key in mine if key != "order"])
         epoch = int(state_dict["epoch"])
         consumed = int(state_dict["consumed"])
         if epoch < 0 or not 0 <= consumed <= self._dataset_size:
@@ -552,3 +550,15 @@ class ElasticSampler(Sampler[int]):
             )
         self._epoch = epoch
         self._consumed = consumed
+
+    def _check_saved(self, state_dict: Mapping[str, Any], keys: Sequence[str]) -> None:
+        """Refuses a saved identity value that differs from this sampler's."""
+        mine = self._identity()
+        for key in keys:
+            saved = state_dict[key]
+            if saved != mine[key]:
+                raise ConfigError(
+                    f"checkpointed sampler {key} ({saved}) differs from this sampler's {key} "
+                    f"({mine[key]}); construct the sampler with the same dataset and {key} as "
+                    "the run that wrote the checkpoint."
+                )
