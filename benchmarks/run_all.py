@@ -11,10 +11,11 @@ where the baseline is torchrun, c10d, DCP ``async_save``, the copy or disk floor
 puts, and the goals are those set in the issues (checkpoint blocking <= 1.5x the copy floor,
 durable <= 1.3x the disk floor and <= 1.3x raw s3fs puts, CUDA checkpoint blocking <= 1.5x
 the device-to-pinned-host copy floor; goodput >= 0.95 and above torchrun's; live metrics cost
-under 1 % of step time). Below it come each benchmark's own detailed table, then the command
-line, date, commit and machine. A benchmark that fails or times out is shown as failed (with
-its log) and the others still run; one that cannot run on this machine (the CUDA benchmark
-without a GPU) exits 0 with ``{"skipped": reason}`` as its JSON and is shown as skipped.
+under 1 % of step time; the sampler's resident memory under 10 MB at a billion samples).
+Below it come each benchmark's own detailed table, then the command line, date, commit and
+machine. A benchmark that fails or times out is shown as failed (with its log) and the
+others still run; one that cannot run on this machine (the CUDA benchmark without a GPU)
+exits 0 with ``{"skipped": reason}`` as its JSON and is shown as skipped.
 
 Two presets: the default runs the settings each script's docstring gives for the published
 figures (about an hour and a half on 2 cores); ``--quick`` runs small settings for a smoke
@@ -64,6 +65,8 @@ CKPT_BLOCKING_GOAL = 1.5  # ours blocking / copy floor
 CKPT_DURABLE_GOAL = 1.3  # ours durable / disk floor, and ours on S3 / raw s3fs puts
 GOODPUT_GOAL = 0.95  # and above torchrun's
 METRICS_OVERHEAD_GOAL = 1.01  # step time with live metrics on / off
+SAMPLER_MEMORY_GOAL_BYTES = 10e6  # the sampler's resident memory at N = 1e9
+SAMPLER_GOAL_SIZE = 10**9
 
 # Names the scripts write into their JSON (tests check they still occur in the scripts).
 CKPT_COPY_FLOOR = "floor: copy into reused host memory"
@@ -77,6 +80,9 @@ CUDA_FLOOR = "floor: device-to-pinned-host copy"
 CUDA_OURS = "ours (CheckpointManager)"
 CUDA_DCP_CACHED = "DCP async_save, cache_staged_state_dict=True"
 CUDA_DCP_STAGER = "DCP async_save, DefaultStager (pinned, non-blocking)"
+SAMPLER_OURS = "feistel"
+SAMPLER_BASELINES = {"randperm sampler": "torch.randperm sampler (before)",
+                     "randperm tensor": "torch.randperm tensor alone"}
 PHASE_LABELS = {"worker_kill": "worker SIGKILL", "node_loss": "node loss"}
 
 
@@ -93,7 +99,7 @@ class Row:
         ours: elastic-run's value, or ``None`` when it was not measured.
         baseline: The baseline's value, or ``None``.
         baseline_name: What the baseline is (``torchrun``, ``copy floor``...).
-        unit: ``"s"``, ``""`` (a fraction), ``"steps"``.
+        unit: ``"s"``, ``""`` (a fraction), ``"steps"``, ``"MiB"``.
         speedup: The ratio is ``baseline / ours`` (a speed-up) instead of ``ours / baseline``.
         goal: The goal in words, empty when the issues set none.
         met: Whether the goal is met; ``None`` without a goal or without the values.
@@ -366,6 +372,43 @@ def cuda_checkpoint_rows(data: dict[str, Any], stdout: str = "") -> list[Row]:
     return rows
 
 
+def sampler_rows(data: dict[str, Any], stdout: str = "") -> list[Row]:
+    """Rows of ``sampler_memory.py --json`` (its ``Case`` dicts under ``cases``).
+
+    Per size: the sampler's resident memory after its first batch against the randperm
+    sampler it replaced and against a bare randperm tensor (ours / baseline; the goal, at
+    N = 1e9, is under 10 MB), and its time to first batch against the randperm sampler's
+    (the speed-up). A baseline that did not fit in memory is shown without a value.
+    """
+    del stdout
+    cases = {(int(c["size"]), c["order"]): c for c in data["cases"]}
+    rows = []
+    for size in sorted({size for size, _ in cases}):
+        ours = cases.get((size, SAMPLER_OURS))
+        if ours is None or ours["rss_mib"] is None:
+            continue
+        peak = f"peak {ours['peak_mib']:.2f} MiB"
+        goal = f"< {SAMPLER_MEMORY_GOAL_BYTES / 1e6:g} MB" if size >= SAMPLER_GOAL_SIZE else ""
+        met = (max(ours["rss_mib"], ours["peak_mib"]) * MiB < SAMPLER_MEMORY_GOAL_BYTES
+               if goal else None)
+        for order, label in SAMPLER_BASELINES.items():
+            base = cases.get((size, order))
+            if base is None:
+                continue
+            note = "" if base["status"] == "ok" else f"{base['status']}: {base['error']}"
+            rows.append(Row("sampler", f"resident memory after the first batch, N={size:.0e}",
+                            ours["rss_mib"], base["rss_mib"], label, unit="MiB", goal=goal,
+                            met=met, ours_note=peak, baseline_note=note))
+        base = cases.get((size, "randperm sampler"))
+        if base is not None:
+            note = "" if base["status"] == "ok" else f"{base['status']}: {base['error']}"
+            rows.append(Row("sampler", f"time to first batch, N={size:.0e}",
+                            ours["first_batch_s"], base["first_batch_s"],
+                            SAMPLER_BASELINES["randperm sampler"], speedup=True,
+                            baseline_note=note))
+    return rows
+
+
 def failed_row(benchmark: str, why: str) -> Row:
     """The row of a benchmark that gave no figures."""
     return Row(benchmark, "", failed=why)
@@ -381,6 +424,8 @@ def _value(v: float | None, unit: str) -> str:
         return f"{v:.3f} s" if v < 1 else f"{v:.2f} s"
     if unit == "steps":
         return f"{v:.0f} steps"
+    if unit == "MiB":
+        return f"{v:.2f} MiB" if v < 1024 else f"{v / 1024:.2f} GiB"
     return f"{v:.3f}"
 
 
@@ -470,6 +515,8 @@ BENCHES: tuple[Bench, ...] = (
     Bench("cuda_checkpoint", "cuda_checkpoint.py", ("--sizes", "1,4,16", "--repeats", "3"),
           ("--sizes", "1", "--repeats", "1", "--settle", "0.2"), 3600, 600,
           cuda_checkpoint_rows),
+    Bench("sampler", "sampler_memory.py", ("--sizes", "1e6,1e8,1e9"),
+          ("--sizes", "1e5,1e6", "--throughput", "100000"), 3600, 300, sampler_rows),
 )
 
 

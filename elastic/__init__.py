@@ -16,15 +16,19 @@ if TYPE_CHECKING:
     from elastic.loop import ElasticLoop
     from elastic.sampler import ElasticSampler
     from elastic.startup import init
+    from elastic.stream import ElasticShardedStream, Shard, write_jsonl_shard
 
 __all__ = [
     "BatchPlan",
     "ElasticContext",
     "ElasticLoop",
     "ElasticSampler",
+    "ElasticShardedStream",
+    "Shard",
     "World",
     "init",
     "plan_batches",
+    "write_jsonl_shard",
 ]
 
 _LAZY_EXPORTS = {
@@ -35,6 +39,9 @@ _LAZY_EXPORTS = {
     "World": "elastic.context",
     "init": "elastic.startup",
     "ElasticLoop": "elastic.loop",
+    "ElasticShardedStream": "elastic.stream",
+    "Shard": "elastic.stream",
+    "write_jsonl_shard": "elastic.stream",
 }
 
 

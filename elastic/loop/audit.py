@@ -7,7 +7,10 @@ Set ``ELASTIC_SAMPLE_AUDIT=DIR`` and every worker appends JSON lines to
   "source"}`` when it starts training in a new world (after the heal or restore);
 * ``{"kind": "batch", "gen", "step", "rank", "ids"}`` for each micro-batch, before its
   backward pass (so a step some rank completed has every rank's ids logged);
-* ``{"kind": "done", "gen", "step", "rank", "world", "t"}`` after the optimizer step.
+* ``{"kind": "done", "gen", "step", "rank", "world", "t"}`` after the optimizer step;
+* ``{"kind": "open", "reader", "pid", "worker", "rank", "world", "epoch", "shard"}`` whenever a
+  reader of an :class:`~elastic.stream.ElasticShardedStream` (a loader worker, or the rank)
+  opens a shard, in that process's own file.
 
 The ids are the dataset indices the loader actually delivered with each batch (the dataset
 is wrapped to carry them through the loader, worker processes included), so the audit proves

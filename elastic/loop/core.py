@@ -61,7 +61,7 @@ from elastic import env
 from elastic.batching import BatchPlan, plan_batches
 from elastic.boundary_flags import BoundaryFlags
 from elastic.eventlog import EventLog
-from elastic.loop.audit import IndexedCollate, IndexedDataset, SampleAudit
+from elastic.loop.audit import SampleAudit
 from elastic.loop.loop_state import LOOP_KEY, LoopState, optimizers_in, python_rng_state
 from elastic.loop.replicas import ElasticModel, Replicas, to_device
 from elastic.loop.saves import SaveSchedule
@@ -88,7 +88,8 @@ class ElasticLoop:
         model: The managed way: the model (not wrapped in DDP: ``loop.model`` is).
         optimizer: The managed way: the optimizer (the loop steps it).
         data: The managed way: a map-style ``Dataset`` (an :class:`ElasticSampler` is made
-            for it) yielding what the script's ``for ... in loop.batches()`` unpacks.
+            for it), or an :class:`~elastic.stream.ElasticShardedStream` (its own cursor),
+            yielding what the script's ``for ... in loop.batches()`` unpacks.
         scheduler: The managed way: an LR scheduler stepped after every optimizer step.
         max_grad_norm: The managed way: clip the gradient norm to this before each step.
         loader_options: The managed way: extra ``DataLoader`` arguments (``num_workers``,
@@ -159,11 +160,10 @@ class ElasticLoop:
         self._data, self._loader_options = data, dict(loader_options or {})
         if managed:
             from checkpointing import ModelOptimizerState
-            from elastic.sampler import ElasticSampler
+            from elastic.loop.data import managed_sampler
 
             assert model is not None and optimizer is not None
-            if sampler is None:
-                sampler = ElasticSampler(len(data), seed=seed)
+            sampler = managed_sampler(data, sampler, seed)
             user_state = {"train": ModelOptimizerState(model, optimizer), **user_state}
             if scheduler is not None:
                 user_state.setdefault("scheduler", scheduler)
@@ -405,16 +405,13 @@ class ElasticLoop:
                 self.close(wait=True)
 
     def _managed_loader(self) -> Iterable[Any]:
-        from torch.utils.data import DataLoader
+        from elastic.loop.data import managed_loader
 
         loader = self._loader
         if loader is None or self._batches is None:
-            # A new world or a restore: the batch sampler snapshots the cursor and the split.
-            data, options = self._data, dict(self._loader_options)
-            if self._audit is not None:  # the indices travel with the samples
-                data = IndexedDataset(data)
-                options["collate_fn"] = IndexedCollate(options.get("collate_fn"))
-            loader = DataLoader(data, batch_sampler=self.batch_sampler(), **options)
+            # A new world or a restore: the loader snapshots the cursor and the split.
+            loader = managed_loader(self._data, self.plan, self.batch_sampler,
+                                    self._loader_options, with_ids=self._audit is not None)
             self._loader = loader
         return loader
 

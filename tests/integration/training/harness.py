@@ -11,8 +11,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
+from elastic.permutation import epoch_permutation
 from tests.integration.launcher_scripts.harness import kill, tree
 
 WORKER = Path(__file__).with_name("worker.py")
@@ -56,11 +55,8 @@ def run_attempt(nproc: int, *args: str, timeout: float = 100) -> Attempt:
 
 
 def reference_order(dataset_size: int, seed: int, epoch: int) -> list[int]:
-    """The documented per-epoch order, computed independently of the sampler."""
-    order: list[int] = torch.randperm(
-        dataset_size, generator=torch.Generator().manual_seed(seed + epoch)
-    ).tolist()
-    return order
+    """The documented per-epoch order (:func:`elastic.permutation.epoch_permutation`)."""
+    return list(epoch_permutation(dataset_size, seed, epoch))
 
 
 def committed_steps(audit_dir: Path) -> dict[int, list[int]]:

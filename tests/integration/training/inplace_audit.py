@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,8 @@ class Audit:
     batches: list[dict[str, Any]]
     done: list[dict[str, Any]]
     setups: list[dict[str, Any]]  # "setup" records: a worker's time between init and loop
+    #: "open" records: a shard opened by a reader of an ElasticShardedStream (elastic.stream)
+    opens: list[dict[str, Any]] = field(default_factory=list)
 
     def pids_by_gen(self) -> dict[int, set[int]]:
         out: dict[int, set[int]] = defaultdict(set)
@@ -62,6 +65,7 @@ def read_audit(audit_dir: Path) -> Audit:
     batches: list[dict[str, Any]] = []
     done: list[dict[str, Any]] = []
     setups: list[dict[str, Any]] = []
+    opens: list[dict[str, Any]] = []
     for path in sorted(audit_dir.glob("pid*.jsonl")):
         pid = int(path.name.removeprefix("pid").removesuffix(".jsonl"))
         for line in path.read_text().splitlines():
@@ -70,14 +74,18 @@ def read_audit(audit_dir: Path) -> Audit:
             except ValueError:
                 continue  # a line cut by SIGKILL
             record.setdefault("pid", pid)  # the writer's (its file's name)
-            {"gen": gens, "batch": batches, "done": done,
-             "setup": setups}[record["kind"]].append(record)
-    return Audit(gens, batches, done, setups)
+            {"gen": gens, "batch": batches, "done": done, "setup": setups,
+             "open": opens}[record["kind"]].append(record)
+    return Audit(gens, batches, done, setups, opens)
 
 
 def check_exactly_once(audit: Audit, *, steps: int, global_batch: int, dataset: int,
-                       seed: int) -> None:
-    """Every step 0..steps-1 trained exactly its global batch of stream positions, once."""
+                       seed: int, order: Callable[[int], Sequence[int]] | None = None) -> None:
+    """Every step 0..steps-1 trained exactly its global batch of stream positions, once.
+
+    ``order(epoch)`` is the epoch's order of sample ids (default: the sampler's, from
+    ``dataset`` and ``seed``).
+    """
     final = audit.final_attempts()
     assert sorted(final) == list(range(steps)), f"steps completed: {sorted(final)}"
     ids: dict[tuple[int, int], list[int]] = defaultdict(list)
@@ -95,7 +103,8 @@ def check_exactly_once(audit: Audit, *, steps: int, global_batch: int, dataset: 
         for position in range(step * global_batch, (step + 1) * global_batch):
             epoch = position // dataset
             if epoch not in orders:
-                orders[epoch] = reference_order(dataset, seed, epoch)
+                orders[epoch] = (list(order(epoch)) if order is not None
+                                 else reference_order(dataset, seed, epoch))
             expected.append(orders[epoch][position % dataset])
         assert sorted(ids[key]) == sorted(expected), (
             f"step {step} (generation {gen}) trained {sorted(ids[key])}, expected "

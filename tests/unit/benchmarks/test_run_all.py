@@ -27,6 +27,7 @@ from benchmarks.metrics_overhead import Result as MetricsResult
 from benchmarks.metrics_overhead import schedule as metrics_schedule
 from benchmarks.recovery_vs_torchrun import Run as RecoveryRun
 from benchmarks.rendezvous_scale import RoundResult
+from benchmarks.sampler_memory import Case as SamplerCase
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -338,6 +339,68 @@ def test_goodput_without_torchrun_checks_the_level_only() -> None:
     assert all(r.baseline is None and r.ratio is None for r in rows)
 
 
+# --------------------------------------------------------------------------------- sampler
+
+
+def _sampler_json() -> dict[str, Any]:
+    cases = [
+        SamplerCase(10**6, "feistel", "ok", 16.0, 0.4, 0.5, 230.0, 0.002, 4e6),
+        SamplerCase(10**6, "randperm sampler", "ok", 16.0, 40.0, 46.0, 230.0, 0.1, 1e6),
+        SamplerCase(10**6, "randperm tensor", "ok", 16.0, 8.0, 8.0, 230.0, 0.05),
+        SamplerCase(10**9, "feistel", "ok", 16.0, 0.4, 12.0, 230.0, 0.004, 4e6),
+        SamplerCase(10**9, "randperm sampler", "out of memory", 16.0,
+                    error="MemoryError under a 16 GiB address-space limit"),
+        SamplerCase(10**9, "randperm tensor", "ok", 16.0, 7630.0, 7630.0, 230.0, 12.0),
+    ]
+    loaded: dict[str, Any] = json.loads(json.dumps(
+        {"world": 8, "global_batch": 1024, "micro_batch": 128,
+         "cases": [asdict(c) for c in cases]}))
+    return loaded
+
+
+def test_sampler_rows_memory_against_randperm_and_the_goal_at_a_billion() -> None:
+    rows = run_all.sampler_rows(_sampler_json())
+    small = _one(rows, "resident memory after the first batch, N=1e+06",
+                 "torch.randperm sampler (before)")
+    assert small.ratio == pytest.approx(0.01) and small.goal == "" and small.met is None
+    tensor = _one(rows, "resident memory after the first batch, N=1e+09",
+                  "torch.randperm tensor alone")
+    assert tensor.ratio == pytest.approx(0.4 / 7630.0) and tensor.goal == "< 10 MB"
+    # 12 MiB at its peak is over 10 MB: the goal counts the peak too.
+    assert tensor.met is False
+    assert "| 7.45 GiB (torch.randperm tensor alone) |" in run_all.render_row(tensor)
+    failed = _one(rows, "resident memory after the first batch, N=1e+09",
+                  "torch.randperm sampler (before)")
+    assert failed.baseline is None and failed.ratio is None
+    assert failed.baseline_note.startswith("out of memory: MemoryError under")
+    first = _one(rows, "time to first batch, N=1e+06", "torch.randperm sampler (before)")
+    assert first.speedup and first.ratio == pytest.approx(50.0)
+    assert len(rows) == 6
+
+
+@pytest.mark.slow
+def test_sampler_script_json_feeds_the_summary(tmp_path: Path) -> None:
+    """A real (tiny) run of sampler_memory.py --json: each case in its own process."""
+    out = tmp_path / "sampler.json"
+    done = subprocess.run(
+        [sys.executable, "benchmarks/sampler_memory.py", "--sizes", "1e9",
+         "--orders", "feistel,randperm tensor", "--throughput", "5000",
+         "--memory-limit-gib", "1", "--json", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "| N | order | status |" in done.stdout
+    data = json.loads(out.read_text())
+    cases = {(c["size"], c["order"]): c for c in data["cases"]}
+    # 8 GB of randperm does not fit under 1 GiB: reported, not a crash.
+    assert cases[(10**9, "randperm tensor")]["status"] == "out of memory"
+    assert cases[(10**9, "feistel")]["status"] == "ok"
+    rows = run_all.sampler_rows(data)
+    at_a_billion = _one(rows, "resident memory after the first batch, N=1e+09",
+                        "torch.randperm tensor alone")
+    assert at_a_billion.met is True and at_a_billion.baseline is None
+    assert at_a_billion.ours is not None and at_a_billion.ours < 10
+
+
 # ------------------------------------------------------------------------ failures, render
 
 
@@ -400,7 +463,8 @@ def test_markdown_detail_fences_progress_lines_only() -> None:
 def test_select() -> None:
     assert [b.name for b in run_all.select("checkpoint,rendezvous")] == ["rendezvous",
                                                                          "checkpoint"]
-    assert len(run_all.select(None)) == len(run_all.BENCHES) == 7
+    names = [b.name for b in run_all.select(None)]
+    assert names == [b.name for b in run_all.BENCHES] and len(set(names)) == len(names)
     with pytest.raises(ValueError, match="nope"):
         run_all.select("rendezvous,nope")
 

@@ -6,14 +6,16 @@ import json
 import re
 from collections import Counter
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from elastic.errors import ConfigError
+from elastic.permutation import epoch_permutation
 from elastic.sampler import ElasticSampler
 
 
@@ -21,9 +23,7 @@ def reference_order(dataset_size: int, seed: int, epoch: int, shuffle: bool) -> 
     """The documented per-epoch order, computed independently of the sampler."""
     if not shuffle:
         return list(range(dataset_size))
-    generator = torch.Generator().manual_seed(seed + epoch)
-    order: list[int] = torch.randperm(dataset_size, generator=generator).tolist()
-    return order
+    return list(epoch_permutation(dataset_size, seed, epoch))
 
 
 @dataclass(frozen=True)
@@ -317,3 +317,78 @@ def test_a_state_dict_without_the_cursor_is_refused() -> None:
         ElasticSampler(10, rank=0, world_size=1).load_state_dict(
             {"epoch": 0, "seed": 0, "dataset_size": 10, "shuffle": True}
         )
+
+
+def test_a_state_dict_of_the_randperm_order_is_refused_in_one_sentence() -> None:
+    # What ElasticSampler.state_dict() wrote before the constant-memory order (no "order").
+    legacy = {"epoch": 2, "consumed": 30, "seed": 1, "dataset_size": 100, "shuffle": True}
+    sampler = ElasticSampler(100, seed=1, rank=0, world_size=1)
+    with pytest.raises(
+        ConfigError,
+        match=r"^checkpointed sampler order \(torch\.randperm\) differs from this sampler's "
+        r"order \(feistel-v1\): the checkpoint was written before [^.]*; finish that run with "
+        r"the elastic-run version that wrote it or start in a new checkpoint directory\.$",
+    ):
+        sampler.load_state_dict(legacy)
+    assert (sampler.epoch, sampler.consumed) == (0, 0)
+    # Without shuffling the order never changed: such a state is resumed.
+    sequential = ElasticSampler(100, seed=1, shuffle=False, rank=0, world_size=1)
+    sequential.load_state_dict({**legacy, "shuffle": False})
+    assert (sequential.epoch, sequential.consumed) == (2, 30)
+    assert sequential.state_dict()["order"] == "sequential"
+
+
+def test_a_state_dict_of_another_order_is_refused() -> None:
+    saved = {**ElasticSampler(100, rank=0, world_size=1).state_dict(), "order": "feistel-v0"}
+    with pytest.raises(ConfigError, match=r"^checkpointed sampler order \(feistel-v0\) differs "
+                       r"from this sampler's order \(feistel-v1\), so its cursor counts"):
+        ElasticSampler(100, rank=0, world_size=1).load_state_dict(saved)
+
+
+def test_a_trillion_samples_give_a_first_batch_at_once_in_constant_memory() -> None:
+    from elastic.batching import plan_batches
+
+    size = 10**12  # an int64 randperm of it would need 8 TB
+    sampler = ElasticSampler(size, seed=9, rank=5, world_size=7)
+    sampler.set_global_batch_size(1000)
+    sampler.load_state_dict({**sampler.state_dict(), "epoch": 3, "consumed": size - 400})
+    batches = sampler.micro_batches(plan_batches(1000, 64, 7))
+    first_step = [i for _ in range(3) for i in next(batches)]  # shares of 143: 64, 64, 15
+    assert len(first_step) == 143 and len(set(first_step)) == 143
+    # The step straddles epochs 3 and 4: this rank's positions j % 7 == 5 of the stream.
+    order3, order4 = epoch_permutation(size, 9, 3), epoch_permutation(size, 9, 4)
+    expected = [order3[size - 400 + j] if j < 400 else order4[j - 400]
+                for j in range(5, 1000, 7)]
+    assert first_step == expected
+    assert sampler.stream_positions(2) == [(3, order3[size - 400]), (3, order3[size - 399])]
+
+
+def test_the_managed_loop_refuses_a_checkpoint_of_the_randperm_order(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from torch import nn
+
+    from elastic.loop import ElasticLoop
+
+    def run(steps: int) -> None:
+        model = nn.Linear(2, 1)
+        loop = ElasticLoop(None, model=model,
+                           optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                           data=TensorDataset(torch.randn(20, 2), torch.randn(20, 1)),
+                           global_batch_size=4, max_steps=steps, checkpoint=str(tmp_path),
+                           install_signal_handler=False)
+        for x, y in loop.batches():
+            loop.backward(nn.functional.mse_loss(loop.model(x), y))
+
+    # What a checkpoint of the randperm-era sampler holds: its state had no "order".
+    current = ElasticSampler.state_dict
+    monkeypatch.setattr(ElasticSampler, "state_dict",
+                        lambda self: {k: v for k, v in current(self).items() if k != "order"})
+    run(2)
+    monkeypatch.undo()
+    # DCP finds the key missing before the sampler sees the state: still one sentence.
+    with pytest.raises(ConfigError, match=r"^the newest checkpoint in \(.*\) does not fit this "
+                       r"job's model or state \(.*Missing key in checkpoint state_dict: "
+                       r"elastic\.sampler\.order\.\); point the checkpoint URL at a new "
+                       r"directory or restore the code that wrote it\.$"):
+        run(4)

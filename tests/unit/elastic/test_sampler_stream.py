@@ -5,20 +5,17 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
-import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils.data import DataLoader
 
+from elastic.permutation import epoch_permutation
 from elastic.sampler import ElasticSampler
 from elastic_errors import ConfigError
 
 
 def reference_order(dataset_size: int, seed: int, epoch: int) -> list[int]:
-    order: list[int] = torch.randperm(
-        dataset_size, generator=torch.Generator().manual_seed(seed + epoch)
-    ).tolist()
-    return order
+    return list(epoch_permutation(dataset_size, seed, epoch))
 
 
 def run_steps(
