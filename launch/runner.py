@@ -85,11 +85,9 @@ def _worker_env(args: argparse.Namespace) -> dict[str, str]:
         env.INPLACE_BUILD_TIMEOUT: str(args.inplace_build_timeout),
         env.HANG_TIMEOUT: str(args.hang_timeout),
         env.HANG_FACTOR: str(args.hang_factor),
-        # Survivors abort a world from a thread when membership says a member is gone;
-        # NCCL's watchdog must never tear a survivor down first (torch's docs for
-        # _abort_process_group ask for 0).
-        "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING",
-                                                          "0"),
+        # No TORCH_NCCL_ASYNC_ERROR_HANDLING here: the worker sets it per mode when it builds
+        # NCCL groups (elastic.inplace.groups: 0 when it may reconfigure in place, torch's
+        # default of 3 in --elastic-mode restart).
     }
     if args.events_dir:
         values[env.EVENTS_DIR] = args.events_dir

@@ -12,7 +12,9 @@ Tear-down must not hang on a dead peer. gloo raises at once when a peer's connec
 2.5; the only way to cancel pending NCCL work). NCCL groups are built with
 ``TORCH_NCCL_ASYNC_ERROR_HANDLING=0``: the watchdog never tears a survivor down, and a
 collective blocked on a member that is gone is cancelled by this worker itself, from a watch
-thread, through the world's :class:`~elastic.inplace.abort.WorldAbort`. Only gloo on CPU is
+thread, through the world's :class:`~elastic.inplace.abort.WorldAbort`. Under
+``--elastic-mode restart`` no world is ever reconfigured in place, so torch's default (``3``,
+or the user's value) is kept: the agent restarts every worker anyway. Only gloo on CPU is
 exercised by this repository's tests; the NCCL path is written but has not been run on a GPU.
 """
 
@@ -20,12 +22,14 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import HashStore, PrefixStore, Store
 
+from elastic import env
 from elastic.inplace.abort import WorldAbort
 from elastic.process_group import ProcessGroups, set_nccl_error_handling
 
@@ -51,7 +55,9 @@ def build_groups(
         WorldAbortedError: When ``world_abort`` was aborted during the build.
     """
     if backend == "nccl":
-        set_nccl_error_handling(in_place=True)
+        # In auto mode a world may turn in place after it is built: only an explicit
+        # restart mode keeps torch's watchdog behaviour.
+        set_nccl_error_handling(in_place=os.environ.get(env.MODE, "auto") != "restart")
     store.set_timeout(timeout)
     _reset_group_names()
     prefixed = PrefixStore(f"e{epoch}/", store)

@@ -351,3 +351,29 @@ def test_in_place_workers_force_nccl_error_handling_off_and_restart_mode_keeps_t
         set_nccl_error_handling(in_place=True)
     assert os.environ[NCCL_ASYNC_ERROR_HANDLING_ENV] == "0"
     assert "TORCH_NCCL_ASYNC_ERROR_HANDLING=1 ignored" in caplog.text
+
+
+@pytest.mark.parametrize(("mode", "expected"), [("restart", "3"), ("auto", "0"),
+                                                ("inplace", "0")])
+def test_a_worlds_nccl_groups_get_the_error_handling_of_the_elastic_mode(
+    monkeypatch: pytest.MonkeyPatch, mode: str, expected: str,
+) -> None:
+    from elastic import env
+    from elastic.inplace import groups
+
+    class Built(Exception):
+        pass
+
+    seen: list[str | None] = []
+
+    def init_process_group(*_args: Any, **_kwargs: Any) -> None:
+        seen.append(os.environ.get(NCCL_ASYNC_ERROR_HANDLING_ENV))
+        raise Built  # no GPU here: what matters is the variable the group would read
+
+    monkeypatch.delenv(NCCL_ASYNC_ERROR_HANDLING_ENV, raising=False)
+    monkeypatch.setenv(env.MODE, mode)
+    monkeypatch.setattr(groups.dist, "init_process_group", init_process_group)
+    with pytest.raises(Built):
+        groups.build_groups("nccl", store=dist.HashStore(), epoch=1, rank=0, world_size=1,
+                            device=torch.device("cpu"), timeout=timedelta(seconds=5))
+    assert seen == [expected]
