@@ -203,8 +203,7 @@ class CheckpointManager:
         self._pg = process_group
         self._rank = dist.get_rank(self._pg) if self._distributed else 0
         self._world = dist.get_world_size(self._pg) if self._distributed else 1
-        if self._rank == 0:
-            self.storage.check_root()
+        self._check_root()
         self._stager = HostStager()
         # Remote shard files are assembled here; kept between saves like the staging buffers.
         self._upload_buffers = BufferPool()
@@ -231,6 +230,31 @@ class CheckpointManager:
         #: ``ElasticLoop`` sets its event log here, so every rank's reach its agent's metrics
         #: and the group's rank 0's the job event log.
         self.events: EventRecorder | None = None
+
+    def _check_root(self) -> None:
+        """Rank 0 checks the root; every rank then raises its error, if any.
+
+        Only one rank asks the storage (a thousand ranks need not), but every rank must fail
+        the same way: a job whose ranks all die of one error ends at once with it, while a
+        lone rank's failure looks like a crash that restarts would cure.
+        """
+        if self._world == 1:
+            self.storage.check_root()
+            return
+        failure: CheckpointError | None = None
+        if self._rank == 0:
+            try:
+                self.storage.check_root()
+            except CheckpointError as exc:
+                failure = exc
+        shared: list[Any] = [None if failure is None else
+                             (isinstance(failure, CheckpointNotFoundError), str(failure))]
+        dist.broadcast_object_list(shared, group=self._pg, group_src=0)
+        if failure is not None:
+            raise failure
+        if shared[0] is not None:
+            not_found, message = shared[0]
+            raise (CheckpointNotFoundError if not_found else CheckpointError)(message)
 
     def _record(self, event: str, **fields: Any) -> None:
         events = self.events
