@@ -750,17 +750,26 @@ class NodeAgent:
         """Decides a pending failure once its cause is known; False if the budget is out."""
         failure = slot.pending
         assert failure is not None
+        if now < failure.decide_by and self._still_connected(failure.process):
+            # Its last messages (the report of what it died of) may still be in the channel:
+            # the process is gone, so the channel's end of file follows at once.
+            return True
         report = slot.report or {}
+        own = report.get("peer_type") is False  # the worker's error cannot be a peer's
         certain = (failure.process.stopping or bool(report.get("peer"))
-                   or bool(report.get("drained"))
-                   or failure.code < 0 or report.get("peer_type") is False)
+                   or bool(report.get("drained")) or failure.code < 0 or own)
         if not certain and not self._peer_evidence(failure) and now < failure.decide_by:
             return True  # the cause is not settled yet: wait for membership to say
         slot.pending = None
-        if not failure.process.stopping and self._peer_evidence(failure):
+        if not failure.process.stopping and not own and self._peer_evidence(failure):
             report = {**report, "peer": True}
             slot.report = report
         return self._handle_failure(slot, failure.process, failure.code)
+
+    def _still_connected(self, process: SlotProcess) -> bool:
+        """Whether the channel still has an open connection from ``process``."""
+        connection = self._channel.connection(process.local_rank)
+        return connection is not None and connection.pid == process.pid
 
     def _handle_failure(self, slot: _Slot, process: SlotProcess, code: int) -> bool:
         """Decides what a failed worker costs; returns False if the budget is exhausted."""

@@ -136,7 +136,7 @@ class InPlaceController:
         self._reported_step = -2
         link.add_listener(self._on_message)
         link.add_ticker(self._tick)
-        link.peer_check = self.confirm_peer_failure
+        link.peer_check = self.peer_failure_evident
 
     # -- identity ---------------------------------------------------------------------------
 
@@ -441,6 +441,18 @@ class InPlaceController:
                               (guard is not None and guard.aborted),
                               _EVIDENCE_TIMEOUT_S)
 
+    def peer_failure_evident(self, exc: BaseException) -> bool:
+        """Whether ``exc`` is a peer's failure by the evidence at hand, without waiting.
+
+        What a dying worker tells its agent: the agent waits for membership evidence itself
+        (a few seconds) before it charges the crash, so the worker need not wait as well;
+        when every rank dies of the script's own error, that wait would only delay the end.
+        """
+        if not is_peer_failure_type(exc):
+            return False
+        guard = self._guard
+        return (guard is not None and guard.aborted) or bool(self._peers_lost(self.world))
+
     def abandon(self, exc: BaseException, step: int) -> None:
         """Records a step abandoned because a peer failed: the next boundary reconfigures.
 
@@ -514,8 +526,16 @@ class InPlaceController:
         guard.check()
 
     def finish(self, step: int, *, finished: bool) -> None:
-        """Tells the agent the job finished (from the world's rank 0) and closes the link."""
-        if finished and self.world is not None and self.world.ranks()[:1] == (self.me,):
+        """Tells the agent the job finished (from the world's rank 0) and closes the link.
+
+        A loop that did not finish keeps the link open: it may be closing because the script
+        raised (Python closes the loop's generator while the exception unwinds, before the
+        worker reports it), and that report must still reach the agent over this link, with
+        the step it failed at and the membership evidence of a peer's failure.
+        """
+        if not finished:
+            return
+        if self.world is not None and self.world.ranks()[:1] == (self.me,):
             self.link.send("finished", step=step)
         self.link.close()
 
