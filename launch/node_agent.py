@@ -581,8 +581,10 @@ class NodeAgent:
         ids = set(mine.workers) if mine is not None else set()
         running = [s for s in self._slots if s.process is not None
                    and s.process.exit_code() is None]
-        stale = [s for s in running if s.started_for is not None
-                 and not s.started_for.same_composition(world)]
+        # The empty world restarts every running worker (the leader then forms the next
+        # world from fresh incarnations only), a joiner started for no world included.
+        stale = [s for s in running if (s.started_for is None and not world.members) or (
+            s.started_for is not None and not s.started_for.same_composition(world))]
         if stale and not self._departure:
             logger.info("world epoch %d differs from the one this node's workers run in "
                         "(epoch %d): restarting them", world.epoch,
@@ -596,10 +598,14 @@ class NodeAgent:
                 slot.ready = True  # agent-ready: started when a world includes it
             self._publish()
             return
+        started = False
         for slot in self._slots:
             if (slot.process is None and slot.ready and slot.restart_at is None
                     and slot.pending is None and slot.local_id in ids and not slot.finished):
                 self._start(slot, world)
+                started = True
+        if started:
+            self._publish()  # shows them running: after an empty world, no world takes them
 
     def _check_join_timeout(self, run: RunMembership) -> AgentOutcome | None:
         world = run.world()
