@@ -11,6 +11,7 @@ its agent anyway: ``launch.worker_guard``).
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import logging
@@ -296,4 +297,7 @@ def link_from_env(*, register: bool = True) -> AgentLink | None:
     if register:
         global _active
         _active = link
+        # Before the interpreter's teardown stops the heartbeat thread (see the agent's
+        # heartbeat rule): atexit handlers run first, in the reverse order of registration.
+        atexit.register(link.send, "exiting")
     return link

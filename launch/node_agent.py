@@ -319,6 +319,9 @@ class NodeAgent:
             if kind == "hello":
                 self._welcome(connection)
                 return
+            if kind == "exiting":
+                connection.exiting = True
+                return
             if kind == "ready":
                 slot.ready = True
                 slot.inplace = bool(message.get("inplace", False))
@@ -856,10 +859,16 @@ class NodeAgent:
             self._publish()
 
     def _check_heartbeats(self) -> None:
-        """Replaces workers that fell silent (stopped, frozen) for longer than the TTL."""
+        """Replaces workers that fell silent (stopped, frozen) for longer than the TTL.
+
+        A worker whose interpreter is shutting down (it said so) gets the shutdown grace
+        instead: its heartbeat thread is gone while torch's teardown runs, seconds on a busy
+        host, and killing it then would turn a clean exit into a failure.
+        """
         now = time.monotonic()
         for connection in self._channel.connections():
-            if now - connection.last_heard <= self.config.ttl:
+            limit = self.config.shutdown_grace if connection.exiting else self.config.ttl
+            if now - connection.last_heard <= limit:
                 continue
             with self._lock:
                 slot = self._slot_of(connection)
