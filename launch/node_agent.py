@@ -638,8 +638,9 @@ class NodeAgent:
 
         Joining a world that reconfigures in place, the workers start at once as joiners:
         they turn ready when their training loop starts, so the survivors keep training while
-        they build their models. Otherwise the slots are published ready and the workers
-        start once a world includes them (their ranks must be known at start).
+        they build their models (an empty in-place world too: its survivors wait, with the
+        job's state, for enough nodes). Otherwise the slots are published ready and the
+        workers start once a world includes them (their ranks must be known at start).
         """
         run = self._run
         world = run.world() if run is not None else None
@@ -649,7 +650,7 @@ class NodeAgent:
                     continue
                 if slot.incarnation == 0:
                     slot.incarnation = 1
-                if world is not None and world.mode == "inplace" and world.members:
+                if world is not None and world.mode == "inplace":
                     self._start(slot, None)
                 else:
                     slot.ready = True
@@ -764,9 +765,10 @@ class NodeAgent:
             # the process is gone, so the channel's end of file follows at once.
             return True
         report = slot.report or {}
-        own = report.get("peer_type") is False  # the worker's error cannot be a peer's
+        # Its own failure, never a peer's: an error of a type no peer causes, or a signal.
+        own = report.get("peer_type") is False or failure.code < 0
         certain = (failure.process.stopping or bool(report.get("peer"))
-                   or bool(report.get("drained")) or failure.code < 0 or own)
+                   or bool(report.get("drained")) or own)
         if not certain and not self._peer_evidence(failure) and now < failure.decide_by:
             return True  # the cause is not settled yet: wait for membership to say
         slot.pending = None
@@ -849,7 +851,9 @@ class NodeAgent:
                     continue
                 slot.restart_at = None
                 changed = True
-                if world is not None and world.mode == "inplace" and world.members:
+                # An empty in-place world too: its survivors wait for enough nodes, with
+                # the state a joiner heals from (a restart-mode start would restart them).
+                if world is not None and world.mode == "inplace":
                     self._start(slot, None)
                     self.events.record("workers_restarted_in_place", round=world.epoch,
                                        local_rank=slot.local_rank)
