@@ -785,7 +785,10 @@ class NodeAgent:
     def _handle_failure(self, slot: _Slot, process: SlotProcess, code: int) -> bool:
         """Decides what a failed worker costs; returns False if the budget is exhausted."""
         report = slot.report or {}
-        world = self._last_world
+        # The newest world, not the last one followed: a mode upgrade (every worker now in
+        # place) may have landed in this very tick.
+        newest = self._run.world() if self._run is not None else None
+        world = newest if newest is not None else self._last_world
         in_place = world is not None and world.mode == "inplace" and slot.inplace
         if process.stopping or report.get("drained"):
             cause, delay = "stopped", 0.0
