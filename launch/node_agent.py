@@ -341,7 +341,10 @@ class NodeAgent:
                 publish = slot.waiting is not None
                 slot.waiting = None
             elif kind == "failure":
-                slot.report = dict(message)
+                # A report that came before this agent stopped the worker is the worker's
+                # own failure, even if the stop then ended it (a restart racing its death).
+                slot.report = {**message, "before_stop": slot.process is not None
+                               and not slot.process.stopping}
             elif kind == "drained":
                 # Stopped at a step boundary after a final checkpoint (a peer's notice, or
                 # this node's): not a failure, whatever its exit code.
@@ -596,6 +599,13 @@ class NodeAgent:
             stop_all([s.process for s in stale if s.process is not None],
                      self.config.shutdown_grace)
             for slot in stale:
+                report = slot.report or {}
+                if report.get("before_stop") and report.get("error"):
+                    # It was dying of its own error when the restart came: that error
+                    # still counts (every worker dying of it ends the job at once).
+                    self._note_failure(report)
+                    logger.warning("worker %s failed (%s) as this node restarted its "
+                                   "workers", slot.local_id, report.get("error"))
                 slot.process = None
                 self._next_incarnation(slot)
                 slot.ready = True  # agent-ready: started when a world includes it
@@ -790,7 +800,7 @@ class NodeAgent:
         newest = self._run.world() if self._run is not None else None
         world = newest if newest is not None else self._last_world
         in_place = world is not None and world.mode == "inplace" and slot.inplace
-        if process.stopping or report.get("drained"):
+        if report.get("drained") or (process.stopping and not report.get("before_stop")):
             cause, delay = "stopped", 0.0
         elif report.get("peer"):
             cause, delay = "peer_failure", self._budget.backoff_base
