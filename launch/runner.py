@@ -159,17 +159,12 @@ def run(args: argparse.Namespace) -> int:
     if "sigterm" not in agent.preemption_watch:
         signal.signal(signal.SIGTERM, lambda signum, _frame: agent.request_stop(signum))
     signal.signal(signal.SIGINT, lambda signum, _frame: agent.request_stop(signum))
-    outcome, code = "failed", 1
+    outcome, code, message = "failed", 1, "the node agent stopped unexpectedly."
     try:
         result = agent.run()
-        outcome, code = result.outcome, result.code
-        if result.code != 0:
-            return _fail(result.message, result.code)
-        logger.info("%s", result.message)
-        return 0
+        outcome, code, message = result.outcome, result.code, result.message
     except (EtcdUnavailableError, ConfigError, RecordError) as exc:
-        outcome, code = "rendezvous_error", EXIT_RENDEZVOUS
-        return _fail(str(exc), EXIT_RENDEZVOUS)
+        outcome, code, message = "rendezvous_error", EXIT_RENDEZVOUS, str(exc)
     finally:
         monitor.stop()
         events.record("agent_exited", outcome=outcome, exit_code=code)
@@ -180,3 +175,8 @@ def run(args: argparse.Namespace) -> int:
 
             write_summary(args.events_dir, config.run_id)  # never raises
         client.close()
+    # Last, after everything that logs: the user's last line says how the job ended.
+    if code != 0:
+        return _fail(message, code)
+    logger.info("%s", message)
+    return 0
