@@ -138,6 +138,8 @@ class _Failure:
     code: int
     world: WorldRecord | None
     decide_by: float
+    probed: bool = False
+    peer_node_dead: bool = False
 
 
 @dataclass
@@ -758,8 +760,11 @@ class NodeAgent:
 
     def _peer_evidence(self, failure: _Failure) -> bool:
         """Whether a newer world names, as lost, a worker of another node that was in the
-        failed worker's world: the failure was that peer's, not this worker's."""
+        failed worker's world, or another node of that world is dead (its agent's liveness
+        port refuses): the failure was that peer's, not this worker's."""
         before = failure.world
+        if failure.peer_node_dead:
+            return True
         newest = self._run.world() if self._run is not None else None
         if before is None or newest is None or newest.epoch <= before.epoch:
             return False
@@ -780,12 +785,31 @@ class NodeAgent:
         certain = (failure.process.stopping or bool(report.get("peer"))
                    or bool(report.get("drained")) or own)
         if not certain and not self._peer_evidence(failure) and now < failure.decide_by:
+            if not failure.probed:
+                # A dead node's lease outlives it by up to the TTL, and the world written
+                # meanwhile may name only this node's worker: ask its peers directly.
+                failure.probed = True
+                threading.Thread(target=self._probe_peers, args=(failure,), daemon=True,
+                                 name="elastic-probe-peers").start()
             return True  # the cause is not settled yet: wait for membership to say
         slot.pending = None
         if not failure.process.stopping and not own and self._peer_evidence(failure):
             report = {**report, "peer": True}
             slot.report = report
         return self._handle_failure(slot, failure.process, failure.code)
+
+    def _probe_peers(self, failure: _Failure) -> None:
+        """Marks ``failure`` a peer's if another node of its world is dead (and drops that
+        node's record, as a worker's suspicion would)."""
+        world = failure.world
+        if world is None:
+            return
+        others = [m.node for m in world.members if m.node != self._node and m.probe_port]
+        addresses = {(m.addr, m.probe_port) for m in world.members if m.node in others}
+        if self._probes.dead(addresses):
+            failure.peer_node_dead = True
+            self._check_suspects(others)
+            self._wake.set()
 
     def _still_connected(self, process: SlotProcess) -> bool:
         """Whether the channel still has an open connection from ``process``."""

@@ -447,11 +447,18 @@ class InPlaceController:
         What a dying worker tells its agent: the agent waits for membership evidence itself
         (a few seconds) before it charges the crash, so the worker need not wait as well;
         when every rank dies of the script's own error, that wait would only delay the end.
+        Without evidence yet, the agent is asked to probe the world's other nodes (a dead
+        node's record then goes at once, not when its lease expires).
         """
         if not is_peer_failure_type(exc):
             return False
         guard = self._guard
-        return (guard is not None and guard.aborted) or bool(self._peers_lost(self.world))
+        if (guard is not None and guard.aborted) or self._peers_lost(self.world):
+            return True
+        world = self.world
+        if world is not None:
+            self.link.send("suspect", nodes=[n for n in world.nodes() if n != self.link.node])
+        return False
 
     def abandon(self, exc: BaseException, step: int) -> None:
         """Records a step abandoned because a peer failed: the next boundary reconfigures.
