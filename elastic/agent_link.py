@@ -25,7 +25,7 @@ from typing import Any, Final
 
 from elastic import env
 from elastic.rdzv.records import RecordError, WorldRecord
-from elastic_errors import ConfigError
+from elastic_errors import ConfigError, JobFatalError
 
 __all__ = ["AgentLink", "current_link", "describe", "link_from_env", "report_failure", "send_all"]
 
@@ -249,7 +249,8 @@ def report_failure(exc: BaseException) -> None:
 
     The agent charges the crash to its node's budget unless a peer's failure caused it, and
     ends the job at once with this error when every worker dies of the same one at the same
-    step (the script's own bug).
+    step (the script's own bug), or when it is a verdict on the whole job
+    (:class:`~elastic_errors.JobFatalError`).
     """
     link = _active
     try:
@@ -266,7 +267,7 @@ def report_failure(exc: BaseException) -> None:
         from elastic.failures import is_peer_failure_type
 
         link.send("failure", error=describe(exc), step=link.step, peer=peer,
-                  peer_type=is_peer_failure_type(exc))
+                  peer_type=is_peer_failure_type(exc), fatal=isinstance(exc, JobFatalError))
     except Exception:  # dying anyway: the exit code still tells the agent it failed
         logger.debug("could not report the failure to the agent", exc_info=True)
 

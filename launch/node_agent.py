@@ -347,6 +347,9 @@ class NodeAgent:
                 # own failure, even if the stop then ended it (a restart racing its death).
                 slot.report = {**message, "before_stop": slot.process is not None
                                and not slot.process.stopping}
+                if message.get("fatal"):  # a verdict on the whole job (JobFatalError)
+                    self._end(EndRecord("failed", str(message.get("error", "")),
+                                        int(message.get("step", -1))))
             elif kind == "drained":
                 # Stopped at a step boundary after a final checkpoint (a peer's notice, or
                 # this node's): not a failure, whatever its exit code.

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import statistics
 import time
 from collections import deque
@@ -44,7 +45,7 @@ from elastic.inplace.groups import abort_groups, build_groups, standby_groups
 from elastic.inplace.heal import HealResult, agree_and_heal
 from elastic.process_group import ProcessGroups
 from elastic.rdzv.records import WorldRecord
-from elastic_errors import ConfigError, ElasticError
+from elastic_errors import ConfigError, JobFatalError
 
 
 class ElasticLoop(Protocol):
@@ -72,8 +73,9 @@ _MAX_BUILDS: Final = 100
 _STEP_TIMES: Final = 50
 
 
-class StepRetriesExceeded(ElasticError):
-    """The same step was abandoned more often than allowed: a persistent fault, not a peer."""
+class StepRetriesExceeded(JobFatalError):
+    """The same step was abandoned more often than allowed: a persistent fault, not a peer
+    (the job stops with it)."""
 
 
 def _env_number(name: str, default: float) -> float:
@@ -471,6 +473,10 @@ class InPlaceController:
         self._retries = {step: count}
         error = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
         if count > self.max_step_retries:
+            # One sentence: the error's first (gloo appends advice in more, and prefixes the
+            # source location of the check that failed).
+            error = re.sub(r"^\[[^\]]*\]\s*", "", error)
+            error = re.split(r"(?<=\.)\s", error, maxsplit=1)[0].rstrip(".")
             raise StepRetriesExceeded(
                 f"step {step} was abandoned {count} times (last error: {error}); stopping, "
                 "since a fault that survives every reconfiguration is not a lost peer "
