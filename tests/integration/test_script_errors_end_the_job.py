@@ -55,13 +55,14 @@ def moto_endpoint() -> Iterator[str]:
 
 
 def _start(c: Cluster, nodes: int, worker_args: list[str],
-           env: dict[str, str] | None = None) -> list[Agent]:
+           env: dict[str, str] | None = None, flags: tuple[str, ...] = ()) -> list[Agent]:
     for name in list(c.env):
         if name.startswith(("ELASTIC_", "PET_", "AWS_")):
             del c.env[name]
     c.env.update(env or {})
     return [c.start(["--min-nodes", str(nodes), "--max-nodes", str(nodes), "--etcd",
-                     c.endpoint, "--job-id", c.job_id], worker_args) for _ in range(nodes)]
+                     c.endpoint, "--job-id", c.job_id, *flags], worker_args)
+            for _ in range(nodes)]
 
 
 def _last_line(agent: Agent) -> str:
@@ -130,3 +131,26 @@ def test_s3_without_credentials_ends_the_job_with_its_error(
                         env={**_NO_CREDENTIALS, "FSSPEC_S3_ENDPOINT_URL": moto_endpoint})
         _ends_with(c, agents, f"Storage credentials for ({url}) are missing", "S3 without "
                    "credentials")
+
+
+def test_a_fault_that_survives_every_reconfiguration_stops_the_job_naming_the_step(
+    request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    """In place, the same step abandoned more than ``ELASTIC_MAX_STEP_RETRIES`` times (here
+    1) stops the job with one sentence naming the step and the error: the last rank
+    SIGKILLs itself at step 5, and so does its replacement (``--elastic-mode inplace``: in
+    place from the first step, before the script's own declaration)."""
+    etcd: Any = etcd_or_skip(request)
+    with cluster(tmp_path, etcd.endpoint, f"retries-{uuid.uuid4().hex[:8]}") as c:
+        agents = _start(c, 2, [str(BUGGY), "--kill-at", "5"],
+                        env={"ELASTIC_MAX_STEP_RETRIES": "1"},
+                        flags=("--elastic-mode", "inplace"))
+        codes = [a.wait(180) for a in agents]
+        assert all(code != 0 for code in codes), (codes, c.logs())
+        for agent in agents:
+            last = _last_line(agent)
+            assert re.fullmatch(
+                r"elastic-run: error: job \S+ failed: StepRetriesExceeded: step 5 was abandoned "
+                r"2 times \(last error: [^;]+\); stopping, since a fault that survives every "
+                r"reconfiguration is not a lost peer \(ELASTIC_MAX_STEP_RETRIES raises the "
+                r"limit\)\.", last), f"{agent.log.name}:\n{agent.output()[-4000:]}"
