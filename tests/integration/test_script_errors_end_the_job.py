@@ -3,7 +3,7 @@
 Real etcd, real agents with default flags (node counts, etcd and job id only):
 
 * a managed-loop script that raises at step 5 on every rank (a ``RuntimeError``, the type a
-  dead peer's collective raises too, and a ``ValueError``);
+  dead peer's collective raises too);
 * ``examples/train.py`` with a checkpoint URL whose scheme no fsspec backend knows;
 * ``examples/train.py`` checkpointing to S3 (a real moto server on 127.0.0.1) with no
   credentials anywhere (no keys, no profile, no instance metadata).
@@ -99,10 +99,12 @@ def _ends_with(c: Cluster, agents: list[Agent], error: str, what: str) -> None:
         f"end within {LIMIT_S:.0f} s (restarting would only repeat the error)")
 
 
-@pytest.mark.parametrize("error", ["RuntimeError", "ValueError"])
 def test_a_script_that_raises_at_step_5_on_every_rank_ends_the_job_with_its_error(
-    request: pytest.FixtureRequest, tmp_path: Path, error: str
+    request: pytest.FixtureRequest, tmp_path: Path
 ) -> None:
+    # A RuntimeError: the type a dead peer's collective raises too, so membership evidence,
+    # not the type, must tell the script's own error apart.
+    error = "RuntimeError"
     etcd: Any = etcd_or_skip(request)
     with cluster(tmp_path, etcd.endpoint, f"bug-{uuid.uuid4().hex[:8]}") as c:
         agents = _start(c, 3, [str(BUGGY), "--fail-at", "5", "--error", error])
