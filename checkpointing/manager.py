@@ -191,10 +191,6 @@ class CheckpointManager:
         self.run_id = run_id or uuid.uuid4().hex
         if io_threads is not None and io_threads < 1:
             raise ValueError(f"io_threads ({io_threads}) must be at least 1 or None.")
-        self.storage = Storage(
-            url, storage_options, retry_deadline_s=retry_deadline.total_seconds()
-        )
-        self.io_threads = io_threads or (1 if self.storage.is_local else 4)
         self._distributed = dist.is_available() and dist.is_initialized()
         if self._distributed and process_group is None:
             # DCP's collectives run on the I/O thread; sharing the training group would let
@@ -203,8 +199,8 @@ class CheckpointManager:
         self._pg = process_group
         self._rank = dist.get_rank(self._pg) if self._distributed else 0
         self._world = dist.get_world_size(self._pg) if self._distributed else 1
-        if self._rank == 0:
-            self.storage.check_root()
+        self.storage = self._open_storage(url, storage_options, retry_deadline)
+        self.io_threads = io_threads or (1 if self.storage.is_local else 4)
         self._stager = HostStager()
         # Remote shard files are assembled here; kept between saves like the staging buffers.
         self._upload_buffers = BufferPool()
@@ -231,6 +227,39 @@ class CheckpointManager:
         #: ``ElasticLoop`` sets its event log here, so every rank's reach its agent's metrics
         #: and the group's rank 0's the job event log.
         self.events: EventRecorder | None = None
+
+    def _open_storage(self, url: str, storage_options: Mapping[str, Any] | None,
+                      retry_deadline: timedelta) -> Storage:
+        """Opens the storage and checks its root (rank 0 alone asks the storage); a failure
+        is raised by every rank of the group at once.
+
+        Every rank must fail the same way and at the same moment: a job whose ranks all die
+        of one error ends at once with it, while a rank that fails alone, or first, looks
+        like a crash that restarts would cure (and in restart mode its peers are restarted
+        before they can fail too).
+        """
+        storage: Storage | None = None
+        failure: CheckpointError | None = None
+        try:
+            storage = Storage(url, storage_options,
+                              retry_deadline_s=retry_deadline.total_seconds())
+            if self._rank == 0:
+                storage.check_root()
+        except CheckpointError as exc:
+            failure = exc
+        if self._world > 1:
+            mine = None if failure is None else (
+                isinstance(failure, CheckpointNotFoundError), str(failure))
+            everyone: list[Any] = [None] * self._world
+            dist.all_gather_object(everyone, mine, group=self._pg)
+            first = next((f for f in everyone if f is not None), None)
+            if failure is None and first is not None:
+                not_found, message = first
+                failure = (CheckpointNotFoundError if not_found else CheckpointError)(message)
+        if failure is not None:
+            raise failure
+        assert storage is not None
+        return storage
 
     def _record(self, event: str, **fields: Any) -> None:
         events = self.events

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import re
 import socket
 import threading
 import time
@@ -49,6 +50,8 @@ class EtcdClient(Protocol):
 logger = logging.getLogger(__name__)
 
 _IDLE_RECONNECT: Final = timedelta(seconds=10)
+# How etcd words a watch it canceled for its client's (expired) auth token.
+_AUTH_CANCEL: Final = re.compile(r"PermissionDenied|Unauthenticated|invalid auth token")
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +94,7 @@ class _Stream:
         self, client: EtcdClient, session: requests.Session, request: dict[str, Any],
         read_timeout: float,
     ) -> None:
+        self._client = client
         url = client.current_url()
         try:
             self.response = session.post(
@@ -129,7 +133,18 @@ class _Stream:
         if result.get("canceled"):
             if int(result.get("compact_revision", 0) or 0) > 0:
                 raise _Compacted(str(result["compact_revision"]))
-            raise _StreamFailed(f"the watch was canceled ({result.get('cancel_reason', '')})")
+            reason = str(result.get("cancel_reason", ""))
+            if self._client.config.username and _AUTH_CANCEL.search(reason):
+                # etcd cancels a live watch whose token expired (its auth token TTL) with
+                # PermissionDenied: the next stream must log in again, or it fails the same.
+                # Best effort: a login that fails now is retried, and reported, with the
+                # next stream.
+                try:
+                    self._client.reauthenticate(
+                        self.response.request.headers.get("Authorization"))
+                except Exception as exc:
+                    logger.debug("logging in again after a canceled watch failed: %s", exc)
+            raise _StreamFailed(f"the watch was canceled ({reason})")
         return result
 
 

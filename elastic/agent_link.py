@@ -11,6 +11,7 @@ its agent anyway: ``launch.worker_guard``).
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import logging
@@ -24,7 +25,7 @@ from typing import Any, Final
 
 from elastic import env
 from elastic.rdzv.records import RecordError, WorldRecord
-from elastic_errors import ConfigError
+from elastic_errors import ConfigError, JobFatalError
 
 __all__ = ["AgentLink", "current_link", "describe", "link_from_env", "report_failure", "send_all"]
 
@@ -248,7 +249,8 @@ def report_failure(exc: BaseException) -> None:
 
     The agent charges the crash to its node's budget unless a peer's failure caused it, and
     ends the job at once with this error when every worker dies of the same one at the same
-    step (the script's own bug).
+    step (the script's own bug), or when it is a verdict on the whole job
+    (:class:`~elastic_errors.JobFatalError`).
     """
     link = _active
     try:
@@ -265,7 +267,7 @@ def report_failure(exc: BaseException) -> None:
         from elastic.failures import is_peer_failure_type
 
         link.send("failure", error=describe(exc), step=link.step, peer=peer,
-                  peer_type=is_peer_failure_type(exc))
+                  peer_type=is_peer_failure_type(exc), fatal=isinstance(exc, JobFatalError))
     except Exception:  # dying anyway: the exit code still tells the agent it failed
         logger.debug("could not report the failure to the agent", exc_info=True)
 
@@ -296,4 +298,7 @@ def link_from_env(*, register: bool = True) -> AgentLink | None:
     if register:
         global _active
         _active = link
+        # Before the interpreter's teardown stops the heartbeat thread (see the agent's
+        # heartbeat rule): atexit handlers run first, in the reverse order of registration.
+        atexit.register(link.send, "exiting")
     return link

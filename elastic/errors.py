@@ -6,6 +6,13 @@ them (see its docstring for the packages' direction of dependency).
 
 from __future__ import annotations
 
-from elastic_errors import ConfigError, ElasticError, EtcdAccessError, EtcdUnavailableError
+from elastic_errors import (
+    ConfigError,
+    ElasticError,
+    EtcdAccessError,
+    EtcdUnavailableError,
+    JobFatalError,
+)
 
-__all__ = ["ConfigError", "ElasticError", "EtcdAccessError", "EtcdUnavailableError"]
+__all__ = ["ConfigError", "ElasticError", "EtcdAccessError", "EtcdUnavailableError",
+           "JobFatalError"]

@@ -13,7 +13,8 @@ do next.
 
 from __future__ import annotations
 
-__all__ = ["ConfigError", "ElasticError", "EtcdAccessError", "EtcdUnavailableError"]
+__all__ = ["ConfigError", "ElasticError", "EtcdAccessError", "EtcdUnavailableError",
+           "JobFatalError"]
 
 
 class ElasticError(Exception):
@@ -31,3 +32,8 @@ class EtcdUnavailableError(ElasticError, ConnectionError):
 class EtcdAccessError(EtcdUnavailableError):
     """etcd answered but refused this client (TLS trust, client certificate, credentials or
     permissions); retrying cannot help, so it is raised at once rather than at the deadline."""
+
+
+class JobFatalError(ElasticError):
+    """A worker's verdict on the whole job: the job ends at once with this error (one
+    sentence), instead of the worker being restarted into the same fault."""

@@ -9,7 +9,8 @@ closed unread. So no credential, and no etcd endpoint, ever reaches a worker.
 Messages are JSON objects, one per line. Workers say ``hello`` first (their local rank and
 incarnation), then ``heartbeat`` about twice a second from a thread of their own (a stopped
 process falls silent: that is how a SIGSTOPped worker is noticed), and report what the agent
-needs (``ready``, ``declare``, ``waiting``, ``failure``, ``finished``, ``suspect``). The
+needs (``ready``, ``declare``, ``waiting``, ``failure``, ``finished``, ``suspect``,
+``exiting``). The
 agent sends each new ``world``, the node's ``lease`` state, the run's ``end``, ``gone``
 (local peers that died) and ``evict``. Sends never block the agent for long: a worker that
 does not read (stopped, hung) has its messages dropped after a short timeout, and the
@@ -52,6 +53,8 @@ class WorkerConnection:
         incarnation: Which start of that slot it is.
         pid: Its process id (from the kernel, not from the worker's word).
         last_heard: ``time.monotonic()`` of its last message.
+        exiting: It said its interpreter is shutting down (its heartbeat thread stops
+            before the process ends).
     """
 
     local_rank: int
@@ -60,6 +63,7 @@ class WorkerConnection:
     sock: socket.socket
     last_heard: float = field(default_factory=time.monotonic)
     closed: bool = False
+    exiting: bool = False
     send_lock: threading.Lock = field(default_factory=threading.Lock)
 
     def send(self, message: dict[str, Any]) -> bool:

@@ -144,6 +144,8 @@ class _Failure:
     decide_by: float
     #: Whether this node's lease was fresh when the worker failed (see ``_settle``).
     lease_fresh: bool = True
+    probed: bool = False
+    peer_node_dead: bool = False
 
 
 @dataclass
@@ -327,6 +329,9 @@ class NodeAgent:
             if kind == "hello":
                 self._welcome(connection)
                 return
+            if kind == "exiting":
+                connection.exiting = True
+                return
             if kind == "ready":
                 slot.ready = True
                 slot.inplace = bool(message.get("inplace", False))
@@ -351,7 +356,13 @@ class NodeAgent:
                     self._failed_build = epoch
                     publish = True
             elif kind == "failure":
-                slot.report = dict(message)
+                # A report that came before this agent stopped the worker is the worker's
+                # own failure, even if the stop then ended it (a restart racing its death).
+                slot.report = {**message, "before_stop": slot.process is not None
+                               and not slot.process.stopping}
+                if message.get("fatal"):  # a verdict on the whole job (JobFatalError)
+                    self._end(EndRecord("failed", str(message.get("error", "")),
+                                        int(message.get("step", -1))))
             elif kind == "drained":
                 # Stopped at a step boundary after a final checkpoint (a peer's notice, or
                 # this node's): not a failure, whatever its exit code.
@@ -600,8 +611,10 @@ class NodeAgent:
         ids = set(mine.workers) if mine is not None else set()
         running = [s for s in self._slots if s.process is not None
                    and s.process.exit_code() is None]
-        stale = [s for s in running if s.started_for is not None
-                 and not s.started_for.same_composition(world)]
+        # The empty world restarts every running worker (the leader then forms the next
+        # world from fresh incarnations only), a joiner started for no world included.
+        stale = [s for s in running if (s.started_for is None and not world.members) or (
+            s.started_for is not None and not s.started_for.same_composition(world))]
         if stale and not self._departure:
             logger.info("world epoch %d differs from the one this node's workers run in "
                         "(epoch %d): restarting them", world.epoch,
@@ -610,15 +623,26 @@ class NodeAgent:
             stop_all([s.process for s in stale if s.process is not None],
                      self.config.shutdown_grace)
             for slot in stale:
+                report = slot.report or {}
+                if report.get("before_stop") and report.get("error"):
+                    # It was dying of its own error when the restart came: that error
+                    # still counts (every worker dying of it ends the job at once).
+                    self._note_failure(report)
+                    logger.warning("worker %s failed (%s) as this node restarted its "
+                                   "workers", slot.local_id, report.get("error"))
                 slot.process = None
                 self._next_incarnation(slot)
                 slot.ready = True  # agent-ready: started when a world includes it
             self._publish()
             return
+        started = False
         for slot in self._slots:
             if (slot.process is None and slot.ready and slot.restart_at is None
                     and slot.pending is None and slot.local_id in ids and not slot.finished):
                 self._start(slot, world)
+                started = True
+        if started:
+            self._publish()  # shows them running: after an empty world, no world takes them
 
     def _check_join_timeout(self, run: RunMembership) -> AgentOutcome | None:
         world = run.world()
@@ -648,8 +672,9 @@ class NodeAgent:
 
         Joining a world that reconfigures in place, the workers start at once as joiners:
         they turn ready when their training loop starts, so the survivors keep training while
-        they build their models. Otherwise the slots are published ready and the workers
-        start once a world includes them (their ranks must be known at start).
+        they build their models (an empty in-place world too: its survivors wait, with the
+        job's state, for enough nodes). Otherwise the slots are published ready and the
+        workers start once a world includes them (their ranks must be known at start).
         """
         run = self._run
         world = run.world() if run is not None else None
@@ -659,7 +684,7 @@ class NodeAgent:
                     continue
                 if slot.incarnation == 0:
                     slot.incarnation = 1
-                if world is not None and world.mode == "inplace" and world.members:
+                if world is not None and world.mode == "inplace":
                     self._start(slot, None)
                 else:
                     slot.ready = True
@@ -758,8 +783,11 @@ class NodeAgent:
 
     def _peer_evidence(self, failure: _Failure) -> bool:
         """Whether a newer world names, as lost, a worker of another node that was in the
-        failed worker's world: the failure was that peer's, not this worker's."""
+        failed worker's world, or another node of that world is dead (its agent's liveness
+        port refuses): the failure was that peer's, not this worker's."""
         before = failure.world
+        if failure.peer_node_dead:
+            return True
         newest = self._run.world() if self._run is not None else None
         if before is None or newest is None or newest.epoch <= before.epoch:
             return False
@@ -787,15 +815,26 @@ class NodeAgent:
         """
         failure = slot.pending
         assert failure is not None
+        if now < failure.decide_by and self._still_connected(failure.process):
+            # Its last messages (the report of what it died of) may still be in the channel:
+            # the process is gone, so the channel's end of file follows at once.
+            return True
         report = slot.report or {}
         partitioned = not (failure.lease_fresh and self._lease_fresh())
+        # Its own failure, never a peer's: an error of a type no peer causes, or a signal.
+        own = report.get("peer_type") is False or failure.code < 0
         certain = (failure.process.stopping or bool(report.get("peer"))
-                   or bool(report.get("drained")) or partitioned
-                   or failure.code < 0 or report.get("peer_type") is False)
+                   or bool(report.get("drained")) or partitioned or own)
         if not certain and not self._peer_evidence(failure) and now < failure.decide_by:
+            if not failure.probed:
+                # A dead node's lease outlives it by up to the TTL, and the world written
+                # meanwhile may name only this node's worker: ask its peers directly.
+                failure.probed = True
+                threading.Thread(target=self._probe_peers, args=(failure,), daemon=True,
+                                 name="elastic-probe-peers").start()
             return True  # the cause is not settled yet: wait for membership to say
         slot.pending = None
-        if not failure.process.stopping and self._peer_evidence(failure):
+        if not failure.process.stopping and not own and self._peer_evidence(failure):
             report = {**report, "peer": True}
             slot.report = report
         elif not failure.process.stopping and partitioned:
@@ -803,12 +842,33 @@ class NodeAgent:
             slot.report = report
         return self._handle_failure(slot, failure.process, failure.code)
 
+    def _probe_peers(self, failure: _Failure) -> None:
+        """Marks ``failure`` a peer's if another node of its world is dead (and drops that
+        node's record, as a worker's suspicion would)."""
+        world = failure.world
+        if world is None:
+            return
+        others = [m.node for m in world.members if m.node != self._node and m.probe_port]
+        addresses = {(m.addr, m.probe_port) for m in world.members if m.node in others}
+        if self._probes.dead(addresses):
+            failure.peer_node_dead = True
+            self._check_suspects(others)
+            self._wake.set()
+
+    def _still_connected(self, process: SlotProcess) -> bool:
+        """Whether the channel still has an open connection from ``process``."""
+        connection = self._channel.connection(process.local_rank)
+        return connection is not None and connection.pid == process.pid
+
     def _handle_failure(self, slot: _Slot, process: SlotProcess, code: int) -> bool:
         """Decides what a failed worker costs; returns False if the budget is exhausted."""
         report = slot.report or {}
-        world = self._last_world
+        # The newest world, not the last one followed: a mode upgrade (every worker now in
+        # place) may have landed in this very tick.
+        newest = self._run.world() if self._run is not None else None
+        world = newest if newest is not None else self._last_world
         in_place = world is not None and world.mode == "inplace" and slot.inplace
-        if process.stopping or report.get("drained"):
+        if report.get("drained") or (process.stopping and not report.get("before_stop")):
             cause, delay = "stopped", 0.0
         elif report.get("peer"):
             cause, delay = "peer_failure", self._budget.backoff_base
@@ -874,7 +934,9 @@ class NodeAgent:
                     continue
                 slot.restart_at = None
                 changed = True
-                if world is not None and world.mode == "inplace" and world.members:
+                # An empty in-place world too: its survivors wait for enough nodes, with
+                # the state a joiner heals from (a restart-mode start would restart them).
+                if world is not None and world.mode == "inplace":
                     self._start(slot, None)
                     self.events.record("workers_restarted_in_place", round=world.epoch,
                                        local_rank=slot.local_rank)
@@ -884,10 +946,16 @@ class NodeAgent:
             self._publish()
 
     def _check_heartbeats(self) -> None:
-        """Replaces workers that fell silent (stopped, frozen) for longer than the TTL."""
+        """Replaces workers that fell silent (stopped, frozen) for longer than the TTL.
+
+        A worker whose interpreter is shutting down (it said so) gets the shutdown grace
+        instead: its heartbeat thread is gone while torch's teardown runs, seconds on a busy
+        host, and killing it then would turn a clean exit into a failure.
+        """
         now = time.monotonic()
         for connection in self._channel.connections():
-            if now - connection.last_heard <= self.config.ttl:
+            limit = self.config.shutdown_grace if connection.exiting else self.config.ttl
+            if now - connection.last_heard <= limit:
                 continue
             with self._lock:
                 slot = self._slot_of(connection)

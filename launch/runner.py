@@ -85,11 +85,9 @@ def _worker_env(args: argparse.Namespace) -> dict[str, str]:
         env.INPLACE_BUILD_TIMEOUT: str(args.inplace_build_timeout),
         env.HANG_TIMEOUT: str(args.hang_timeout),
         env.HANG_FACTOR: str(args.hang_factor),
-        # Survivors abort a world from a thread when membership says a member is gone;
-        # NCCL's watchdog must never tear a survivor down first (torch's docs for
-        # _abort_process_group ask for 0).
-        "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING",
-                                                          "0"),
+        # No TORCH_NCCL_ASYNC_ERROR_HANDLING here: the worker sets it per mode when it builds
+        # NCCL groups (elastic.inplace.groups: 0 when it may reconfigure in place, torch's
+        # default of 3 in --elastic-mode restart).
     }
     if args.events_dir:
         values[env.EVENTS_DIR] = args.events_dir
@@ -190,17 +188,12 @@ def run(args: argparse.Namespace) -> int:
     if "sigterm" not in agent.preemption_watch:
         signal.signal(signal.SIGTERM, lambda signum, _frame: agent.request_stop(signum))
     signal.signal(signal.SIGINT, lambda signum, _frame: agent.request_stop(signum))
-    outcome, code = "failed", 1
+    outcome, code, message = "failed", 1, "the node agent stopped unexpectedly."
     try:
         result = agent.run()
-        outcome, code = result.outcome, result.code
-        if result.code != 0:
-            return _fail(result.message, result.code)
-        logger.info("%s", result.message)
-        return 0
+        outcome, code, message = result.outcome, result.code, result.message
     except (EtcdUnavailableError, ConfigError, RecordError) as exc:
-        outcome, code = "rendezvous_error", EXIT_RENDEZVOUS
-        return _fail(str(exc), EXIT_RENDEZVOUS)
+        outcome, code, message = "rendezvous_error", EXIT_RENDEZVOUS, str(exc)
     finally:
         monitor.stop()
         events.record("agent_exited", outcome=outcome, exit_code=code)
@@ -211,3 +204,8 @@ def run(args: argparse.Namespace) -> int:
 
             write_summary(args.events_dir, config.run_id)  # never raises
         client.close()
+    # Last, after everything that logs: the user's last line says how the job ended.
+    if code != 0:
+        return _fail(message, code)
+    logger.info("%s", message)
+    return 0

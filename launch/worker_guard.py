@@ -15,6 +15,8 @@ thread polls the parent pid instead.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import ctypes
 import ctypes.util
 import os
@@ -23,7 +25,7 @@ import signal
 import sys
 import threading
 import time
-from typing import Final
+from typing import Final, NoReturn
 
 from elastic import env
 
@@ -111,8 +113,27 @@ def main(argv: list[str] | None = None) -> int:
         raise
     except BaseException as exc:
         _report(exc)
-        raise
+        _die(exc)
     return 0
+
+
+def _die(exc: BaseException) -> NoReturn:
+    """Ends a worker that raised: the traceback as the interpreter prints it, the exit
+    handlers (event and telemetry flushes), then exit code 1 at once.
+
+    The interpreter's own teardown of a torch process (module finalisation, seconds on a busy
+    host) is skipped: its heartbeat thread is already gone then, and an agent that hears
+    nothing for the lease TTL takes the worker for a hung one and kills it, losing the
+    error the worker just reported.
+    """
+    sys.excepthook(type(exc), exc, exc.__traceback__)
+    try:
+        atexit._run_exitfuncs()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(1)
 
 
 def _report(exc: BaseException) -> None:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import statistics
 import time
 from collections import deque
@@ -48,7 +49,7 @@ from elastic.inplace.heal import HealResult, agree_and_heal
 from elastic.inplace.step_fence import STEP_FENCE_ENV, StepFence, step_fence_from_env
 from elastic.process_group import ProcessGroups
 from elastic.rdzv.records import WorldRecord
-from elastic_errors import ConfigError, ElasticError
+from elastic_errors import ConfigError, ElasticError, JobFatalError
 
 
 class ElasticLoop(Protocol):
@@ -77,8 +78,9 @@ _MAX_BUILDS: Final = 100
 _STEP_TIMES: Final = 50
 
 
-class StepRetriesExceeded(ElasticError):
-    """The same step was abandoned more often than allowed: a persistent fault, not a peer."""
+class StepRetriesExceeded(JobFatalError):
+    """The same step was abandoned more often than allowed: a persistent fault, not a peer
+    (the job stops with it)."""
 
 
 class SpoiledStateError(ElasticError):
@@ -150,7 +152,7 @@ class InPlaceController:
         self._reported_step = -2
         link.add_listener(self._on_message)
         link.add_ticker(self._tick)
-        link.peer_check = self.confirm_peer_failure
+        link.peer_check = self.peer_failure_evident
 
     # -- identity ---------------------------------------------------------------------------
 
@@ -499,6 +501,25 @@ class InPlaceController:
                               (guard is not None and guard.aborted),
                               _EVIDENCE_TIMEOUT_S)
 
+    def peer_failure_evident(self, exc: BaseException) -> bool:
+        """Whether ``exc`` is a peer's failure by the evidence at hand, without waiting.
+
+        What a dying worker tells its agent: the agent waits for membership evidence itself
+        (a few seconds) before it charges the crash, so the worker need not wait as well;
+        when every rank dies of the script's own error, that wait would only delay the end.
+        Without evidence yet, the agent is asked to probe the world's other nodes (a dead
+        node's record then goes at once, not when its lease expires).
+        """
+        if not is_peer_failure_type(exc):
+            return False
+        guard = self._guard
+        if (guard is not None and guard.aborted) or self._peers_lost(self.world):
+            return True
+        world = self.world
+        if world is not None:
+            self.link.send("suspect", nodes=[n for n in world.nodes() if n != self.link.node])
+        return False
+
     def abandon(self, exc: BaseException, step: int) -> None:
         """Records a step abandoned because a peer failed: the next boundary reconfigures.
 
@@ -510,6 +531,10 @@ class InPlaceController:
         self._retries = {step: count}
         error = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
         if count > self.max_step_retries:
+            # One sentence: the error's first (gloo appends advice in more, and prefixes the
+            # source location of the check that failed).
+            error = re.sub(r"^\[[^\]]*\]\s*", "", error)
+            error = re.split(r"(?<=\.)\s", error, maxsplit=1)[0].rstrip(".")
             raise StepRetriesExceeded(
                 f"step {step} was abandoned {count} times (last error: {error}); stopping, "
                 "since a fault that survives every reconfiguration is not a lost peer "
@@ -601,8 +626,16 @@ class InPlaceController:
             )
 
     def finish(self, step: int, *, finished: bool) -> None:
-        """Tells the agent the job finished (from the world's rank 0) and closes the link."""
-        if finished and self.world is not None and self.world.ranks()[:1] == (self.me,):
+        """Tells the agent the job finished (from the world's rank 0) and closes the link.
+
+        A loop that did not finish keeps the link open: it may be closing because the script
+        raised (Python closes the loop's generator while the exception unwinds, before the
+        worker reports it), and that report must still reach the agent over this link, with
+        the step it failed at and the membership evidence of a peer's failure.
+        """
+        if not finished:
+            return
+        if self.world is not None and self.world.ranks()[:1] == (self.me,):
             self.link.send("finished", step=step)
         self.link.close()
 

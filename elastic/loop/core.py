@@ -513,10 +513,13 @@ class ElasticLoop:
             self.sampler.load_state_dict(state["sampler"])
 
     def __enter__(self) -> ElasticLoop:
+        if not self._restored:
+            # Before the drain handler: until it holds the job's state a worker has nothing
+            # to save, and SIGTERM (its agent restarting it) must end it at once, even while
+            # it waits for a world or a peer's state.
+            self.restore()
         if self._install_signal_handler:
             self._drain.install()
-        if not self._restored:
-            self.restore()
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,

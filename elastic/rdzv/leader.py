@@ -321,8 +321,10 @@ class LeaderLoop:
         finished: plain torch scripts)."""
         failure = common_failure(nodes)
         if failure is not None:
-            return EndRecord("failed", f"the training script failed on every worker at step "
-                             f"{failure.step}: {failure.error}", failure.step)
+            when = (f"at step {failure.step}" if failure.step >= 0
+                    else "before its first step")
+            return EndRecord("failed", f"the training script failed on every worker {when}: "
+                             f"{failure.error}", failure.step)
         if nodes and all(n.done for n in nodes):
             # Also after a loss left an empty world: whoever is still here is done.
             return EndRecord("finished", "every worker finished training")

@@ -8,7 +8,7 @@ etcd or a clock: callers pass ``now`` where time matters.
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
 
 from elastic.rdzv.records import NodeRecord, WorldMember, WorldRecord, worker_id
@@ -65,12 +65,20 @@ def next_world(
     * at most ``max_nodes`` nodes, and at most ``max_world`` workers where a node declares
       that cap (the global batch: more ranks than samples would leave ranks idle; the
       workers beyond the cap wait as spares);
-    * the world reconfigures in place only if every one of its workers says it can.
+    * the world reconfigures in place only if every one of its workers says it can;
+    * after restart mode's empty world, which restarts every running worker, only workers
+      that are not running yet are taken (agents start restart-mode workers once a world
+      names them): a record that still shows a running worker was published before its
+      agent saw the empty world, and a world naming it would be replaced as soon as that
+      agent restarts it, and so on, agent after agent.
 
     Returns:
         The proposal with epoch ``current.epoch + 1``; compare it with
         :meth:`WorldRecord.same_composition` before writing it.
     """
+    if current is not None and not current.members and current.mode == "restart":
+        nodes = [n.with_changes(workers=tuple(replace(w, ready=False) if w.pid else w
+                                              for w in n.workers)) for n in nodes]
     members = _candidates(nodes, current, max_nodes)
     caps = [n.max_world for n in members if n.max_world is not None]
     budget = min(caps) if caps else None

@@ -90,3 +90,27 @@ def test_corrupt_rendezvous_state_is_a_one_sentence_error(etcd: Any) -> None:
         "b'\\x80\\x04garbage, n'); only elastic-run may write the job's keys: delete it or "
         "use another --job-id."
     )
+
+
+@pytest.mark.etcd
+def test_nproc_per_node_0_is_refused_in_one_sentence_before_anything_starts(
+    etcd: Any, tmp_path: Path
+) -> None:
+    """Issue 13, acceptance 3: no etcd key written, no worker started, one line of output."""
+    from elastic.etcd import EtcdClient, EtcdConfig
+
+    job = f"nproc0-{uuid.uuid4().hex[:8]}"
+    out = tmp_path / "steps.csv"
+    proc = _elastic_run("--etcd", etcd.endpoint, "--job-id", job, "--nproc-per-node", "0",
+                        str(WORKER), "--out", str(out), "--ckpt", str(tmp_path / "ckpt"))
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stdout == ""
+    assert proc.stderr.splitlines() == [
+        "elastic-run: error: --nproc-per-node (0) must be a positive number of workers per node "
+        "(or auto, cpu, gpu); pass for example --nproc-per-node 1."]
+    client = EtcdClient(EtcdConfig(endpoints=(etcd.endpoint,)))
+    try:
+        assert client.get_prefix(f"/elastic/{job}") == []
+    finally:
+        client.close()
+    assert not out.exists()

@@ -9,6 +9,7 @@ job user's role may read and write only the key prefix of this module's jobs. Re
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import uuid
@@ -18,6 +19,7 @@ from typing import Any
 
 import pytest
 
+from elastic.etcd import EtcdConfig
 from tests.integration.launcher_scripts.harness import (
     REPO,
     WORKER,
@@ -25,9 +27,11 @@ from tests.integration.launcher_scripts.harness import (
     alive,
     cluster,
     etcd_or_skip,
+    tree,
 )
 from tests.integration.launcher_scripts.secure_etcd import SecureEtcd, secure_etcd
 from tests.integration.launcher_scripts.status_cli import run_status
+from tests.integration.training.example_job import ExampleJob
 
 pytestmark = [pytest.mark.etcd, pytest.mark.slow]
 pytest.importorskip("elastic.rendezvous", reason="elastic.rendezvous has not landed yet")
@@ -233,3 +237,71 @@ def test_two_jobs_on_one_etcd_do_not_disturb_each_other(tmp_path: Path, etcd: An
         stop_b.touch()
         codes = [x.wait(40) for x in (*a_agents, b_agents[0])]
         assert codes == [0, 0, 0], a.logs() + b.logs()
+
+
+def _files_holding(root: Path, secret: bytes) -> list[str]:
+    """Regular files under ``root`` whose bytes contain ``secret``."""
+    found = []
+    for path in root.rglob("*"):
+        try:
+            if path.is_file() and not path.is_symlink() and secret in path.read_bytes():
+                found.append(str(path))
+        except OSError:
+            continue  # removed meanwhile (a temporary file of the job)
+    return found
+
+
+def test_in_place_under_password_auth_heals_a_killed_worker_and_leaks_the_password_nowhere(
+    tmp_path: Path, tls_etcd: SecureEtcd, job_prefix: str
+) -> None:
+    """Acceptance 6 of issue 13: with etcd password auth (as in deploy/), the job runs in place
+    (``examples/train.py``, default flags, the manifests' ``--events-dir``); a SIGKILLed worker
+    is replaced and healed from a survivor (no checkpoint read), and the password is in no log,
+    no process's command line, no worker's environment and no file the job wrote (checkpoints,
+    events, audit, and every temporary directory: ``TMPDIR`` points into the test's)."""
+    secret = tls_etcd.password.encode()
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    with cluster(tmp_path, tls_etcd.endpoint, f"{job_prefix}-inplace") as c:
+        pki = tls_etcd.pki
+        job = ExampleJob(c, tmp_path / "job", steps=300, min_nodes=1, max_nodes=2,
+                         etcd=EtcdConfig(endpoints=(tls_etcd.endpoint,), protocol="https",
+                                         ca_cert=str(pki.ca), cert=str(pki.client_cert),
+                                         key=str(pki.client_key), username=tls_etcd.user,
+                                         password=tls_etcd.password))
+        c.env.update(tls_etcd.client_env(), TMPDIR=str(temp))
+        agents = [job.start_node("--events-dir", str(tmp_path / "events"), step_time=0.1)
+                  for _ in range(2)]
+        gen = job.trained_in(lambda w, _p: w == 2, "a step in a world of 2")
+        job.wait_in_place(2)
+        (survivor,) = agents[0].worker_pids()
+        (victim,) = agents[1].worker_pids()
+        os.kill(victim, signal.SIGKILL)
+        gen = job.trained_in(lambda w, pids: w == 2 and victim not in pids,
+                             "the killed worker's replacement to train", after_gen=gen)
+        assert job.steps_done() < 290, "the job ended before the replacement trained"
+        (replacement,) = agents[1].worker_pids()
+
+        processes = [p for a in agents for p in tree(a.pid)]
+        for pid in processes:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                assert secret not in f.read(), f"the password is in process {pid}'s argv"
+        ps = subprocess.run(["ps", "-eww", "-o", "pid,args"], capture_output=True,
+                            timeout=30, check=True).stdout
+        assert secret not in ps
+        for pid in (survivor, replacement):
+            environ = _worker_environ(pid)
+            assert secret.decode() not in "\0".join(environ.values())
+            assert not [k for k in environ if k.startswith("ELASTIC_ETCD_")], environ
+        assert not _files_holding(tmp_path, secret)  # while the job's temp dirs exist
+
+        assert job.wait_all(agents) == [0, 0], c.logs()
+        audit = job.check_audit()
+
+    # In place: the survivor kept its process, the replacement was healed from it.
+    healed = [g for g in audit.gens if int(g["pid"]) == replacement]
+    assert healed and all(g["received"] and int(g["storage_loads"]) == 0 for g in healed), healed
+    assert {int(g["storage_loads"]) for g in audit.gens if int(g["pid"]) == survivor} == {1}
+    for agent in agents:
+        assert secret.decode() not in agent.output(), f"the password leaked into {agent.log}"
+    assert not _files_holding(tmp_path, secret)

@@ -9,6 +9,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from checkpointing import CheckpointManager, ModelOptimizerState
+from checkpointing.errors import CheckpointError
 from tests.integration.checkpointing.conftest import (
     assert_bit_identical,
     flat_state,
@@ -105,3 +106,32 @@ def test_two_ranks_save_replicated_state_once_and_one_rank_restores_it_bit_ident
     assert info is not None and info.step == 3 and info.world_size == world
     assert extra == {"step": 3}
     assert_bit_identical(expected, flat_state(model2, optim2))
+
+
+def _unusable_root_worker(rank: int, world: int, port: int, root: str, out: str) -> None:
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timedelta(seconds=60))
+    dist.init_process_group(
+        "gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=60)
+    )
+    try:
+        CheckpointManager(root)
+    except CheckpointError as exc:
+        Path(out, f"rank{rank}.txt").write_text(f"{type(exc).__name__}: {exc}")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_an_unusable_root_fails_every_rank_with_rank_0s_error(tmp_path: Path) -> None:
+    """Only rank 0 looks at the root, but every rank raises its one sentence: a job whose
+    ranks all die of the same error ends at once with it."""
+    root = tmp_path / "a-file"
+    root.write_text("not a directory")
+    world = 2
+    master = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False,
+                           timeout=timedelta(seconds=60))
+    mp.spawn(_unusable_root_worker, args=(world, master.port, str(root), str(tmp_path)),
+             nprocs=world, join=True)
+    del master
+    errors = {(tmp_path / f"rank{r}.txt").read_text() for r in range(world)}
+    assert errors == {f"CheckpointError: Checkpoint URL ({root}) is a file, not a directory; "
+                      "pass a directory or prefix instead."}

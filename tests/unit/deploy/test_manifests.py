@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import tomllib
 import yaml
 
 from elastic import env
@@ -213,6 +214,8 @@ def test_training_pods_are_sized_for_spot_and_read_etcd_credentials_from_secrets
         assert variables[key]["secretKeyRef"]["name"] == "etcd-client-credentials"
     known = {v for k, v in vars(env).items() if k.isupper() and isinstance(v, str)}
     assert {k for k in variables if k.startswith("ELASTIC_")} <= known
+    # The runtime sets NCCL's error handling per mode (in place needs 0): never the manifest.
+    assert not [k for k in variables if "ASYNC_ERROR_HANDLING" in k], sorted(variables)
     # Credentials never sit in the manifest itself.
     text = yaml.safe_dump(resource)
     assert "password:" not in text.lower().replace("key: password", "")
@@ -275,6 +278,13 @@ def test_every_secret_the_manifests_use_is_documented_in_the_readme() -> None:
         assert re.search(rf"kubectl .*create secret \S+ {secret}\b", readme), secret
 
 
+def _installed_packages() -> list[str]:
+    """Top-level packages of pyproject's ``[tool.setuptools.packages.find] include``."""
+    with open(ROOT / "pyproject.toml", "rb") as fileobj:
+        include = tomllib.load(fileobj)["tool"]["setuptools"]["packages"]["find"]["include"]
+    return sorted({re.split(r"[.*]", pattern, maxsplit=1)[0] for pattern in include})
+
+
 @pytest.mark.parametrize("name", ["Dockerfile", "Dockerfile.cpu"])
 def test_dockerfile_parses_and_copies_only_what_the_repository_has(name: str) -> None:
     dockerfile_parse = pytest.importorskip("dockerfile_parse")
@@ -288,6 +298,10 @@ def test_dockerfile_parses_and_copies_only_what_the_repository_has(name: str) ->
             continue
         for source in parts[:-1]:
             assert (ROOT / source).exists(), f"{name} copies {source}, which the repo lacks"
+    # The wheel is built from what was copied: every installed package must be there.
+    copied = {shlex.split(v)[0].rstrip("/") for v in copies if not v.startswith("--from=")}
+    assert set(_installed_packages()) <= copied, (
+        f"{name} copies {sorted(copied)} but the wheel installs {_installed_packages()}")
     runs = " ".join(i["value"] for i in instructions if i["instruction"] == "RUN")
     assert "torch==2.13.0" in runs
     entrypoint = next(i["value"] for i in instructions if i["instruction"] == "ENTRYPOINT")

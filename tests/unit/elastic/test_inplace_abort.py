@@ -369,3 +369,29 @@ def test_under_elastic_run_only_restart_mode_keeps_torchs_nccl_error_handling(
         monkeypatch.setenv(env.MODE, mode)
     set_nccl_error_handling(in_place=nccl_handling_in_place())
     assert os.environ[NCCL_ASYNC_ERROR_HANDLING_ENV] == expected
+
+
+@pytest.mark.parametrize(("mode", "expected"), [("restart", "3"), ("auto", "0"),
+                                                ("inplace", "0")])
+def test_a_worlds_nccl_groups_get_the_error_handling_of_the_elastic_mode(
+    monkeypatch: pytest.MonkeyPatch, mode: str, expected: str,
+) -> None:
+    from elastic import env
+    from elastic.inplace import groups
+
+    class Built(Exception):
+        pass
+
+    seen: list[str | None] = []
+
+    def init_process_group(*_args: Any, **_kwargs: Any) -> None:
+        seen.append(os.environ.get(NCCL_ASYNC_ERROR_HANDLING_ENV))
+        raise Built  # no GPU here: what matters is the variable the group would read
+
+    monkeypatch.delenv(NCCL_ASYNC_ERROR_HANDLING_ENV, raising=False)
+    monkeypatch.setenv(env.MODE, mode)
+    monkeypatch.setattr(groups.dist, "init_process_group", init_process_group)
+    with pytest.raises(Built):
+        groups.build_groups("nccl", store=dist.HashStore(), epoch=1, rank=0, world_size=1,
+                            device=torch.device("cpu"), timeout=timedelta(seconds=5))
+    assert seen == [expected]

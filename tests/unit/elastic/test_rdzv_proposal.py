@@ -68,6 +68,23 @@ def test_mode_is_inplace_only_when_every_worker_says_so() -> None:
     assert mixed is not None and mixed.mode == "restart"
 
 
+def test_after_restart_modes_empty_world_only_fresh_incarnations_are_taken() -> None:
+    """The empty world restarts every running worker: a record still showing one (its agent
+    has not seen the empty world yet) must not make the next world, or that world would be
+    replaced as soon as the agent restarts it."""
+    empty = WorldRecord(5, (), ("10.0.0.1", 4000), "restart")
+    stale = node("a", 1, incarnation=3)  # still running (pid 100)
+    fresh = node("b", 2, incarnation=4).with_changes(
+        workers=(WorkerSlot(0, 4, True, False, 0),))  # restarted, not started yet
+    world = propose(empty, [stale, fresh])
+    assert world is not None and world.ranks() == ("b/0.4",)
+    assert propose(empty, [stale, fresh], lo=2) is None  # a's fresh incarnation is awaited
+    # Elsewhere a running worker is a member like any other.
+    assert propose(None, [stale, fresh]).ranks() == ("a/0.3", "b/0.4")  # type: ignore[union-attr]
+    inplace_empty = WorldRecord(5, (), ("10.0.0.1", 4000), "inplace")
+    assert propose(inplace_empty, [stale]).ranks() == ("a/0.3",)  # type: ignore[union-attr]
+
+
 def test_a_store_is_never_handed_to_two_worlds() -> None:
     first = propose(None, [node("a", 1, port=4000), node("b", 2, port=5000)])
     assert first is not None and first.store == ("10.0.0.1", 4000)

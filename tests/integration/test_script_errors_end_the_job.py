@@ -1,0 +1,158 @@
+"""The script's own error ends the job at once, and is the last line the user sees.
+
+Real etcd, real agents with default flags (node counts, etcd and job id only):
+
+* a managed-loop script that raises at step 5 on every rank (a ``RuntimeError``, the type a
+  dead peer's collective raises too);
+* ``examples/train.py`` with a checkpoint URL whose scheme no fsspec backend knows;
+* ``examples/train.py`` checkpointing to S3 (a real moto server on 127.0.0.1) with no
+  credentials anywhere (no keys, no profile, no instance metadata).
+
+Each job must exit non-zero within 30 s of the error (restarting would only repeat it: nothing
+is gained by spending the crash budgets first), and every agent's last line of output must
+carry the script's own error, not a generic "no restarts are left". The time is measured from
+the first sign of the error (a rank's timestamp of its raise, or the first agent line that
+reports a failed worker) to the exit of the last agent, and printed.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+import uuid
+from collections.abc import Iterator
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.integration.launcher_scripts.harness import REPO, Agent, Cluster, cluster, etcd_or_skip
+from tests.integration.training.example_job import script_args
+
+pytestmark = [pytest.mark.etcd, pytest.mark.slow, pytest.mark.timeout(180)]
+
+BUGGY = REPO / "tests" / "integration" / "launcher_scripts" / "buggy_train.py"
+LIMIT_S = 30.0
+_NO_CREDENTIALS = {
+    # A machine without S3 credentials: no keys, no shared files, no instance metadata.
+    "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent/aws-credentials",
+    "AWS_CONFIG_FILE": "/nonexistent/aws-config",
+    "AWS_EC2_METADATA_DISABLED": "true",
+}
+
+
+@pytest.fixture(scope="module")
+def moto_endpoint() -> Iterator[str]:
+    moto_server = pytest.importorskip("moto.server")
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0)
+    server.start()
+    host, port = server.get_host_and_port()
+    try:
+        yield f"http://{host}:{port}"
+    finally:
+        server.stop()
+
+
+def _start(c: Cluster, nodes: int, worker_args: list[str],
+           env: dict[str, str] | None = None, flags: tuple[str, ...] = ()) -> list[Agent]:
+    for name in list(c.env):
+        if name.startswith(("ELASTIC_", "PET_", "AWS_")):
+            del c.env[name]
+    c.env.update(env or {})
+    return [c.start(["--min-nodes", str(nodes), "--max-nodes", str(nodes), "--etcd",
+                     c.endpoint, "--job-id", c.job_id, *flags], worker_args)
+            for _ in range(nodes)]
+
+
+def _last_line(agent: Agent) -> str:
+    lines = [ln for ln in agent.output().splitlines() if ln.strip()]
+    return lines[-1] if lines else ""
+
+
+def _first_failure(agents: list[Agent]) -> float:
+    """When the script's error first showed: a rank's own timestamp of the raise, or the
+    first agent line reporting a failed worker (epoch seconds)."""
+    times = []
+    for agent in agents:
+        text = agent.output()
+        times += [float(t) for t in re.findall(r"\[buggy_train\] rank \d+ raises at ([\d.]+)",
+                                               text)]
+        for stamp in re.findall(r"^\[([\d-]+ [\d:]+,\d+)\] WARNING launch\.node_agent: worker "
+                                r"\S+ failed", text, flags=re.MULTILINE):
+            times.append(datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S,%f").timestamp())
+    assert times, "no agent reported a failed worker"
+    return min(times)
+
+
+def _ends_with(c: Cluster, agents: list[Agent], error: str, what: str) -> None:
+    codes = [a.wait(120) for a in agents]
+    took = time.time() - _first_failure(agents)
+    print(f"{what}: every agent exited {took:.1f} s after the error first showed")
+    assert all(code != 0 for code in codes), (codes, c.logs())
+    for agent in agents:
+        assert error in _last_line(agent), (
+            f"the last line of {agent.log.name} does not name the script's error "
+            f"({error!r}):\n{agent.output()[-4000:]}")
+    assert took < LIMIT_S, (
+        f"{what}: the job ended {took:.1f} s after the script's error first showed; it must "
+        f"end within {LIMIT_S:.0f} s (restarting would only repeat the error)")
+
+
+def test_a_script_that_raises_at_step_5_on_every_rank_ends_the_job_with_its_error(
+    request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    # A RuntimeError: the type a dead peer's collective raises too, so membership evidence,
+    # not the type, must tell the script's own error apart.
+    error = "RuntimeError"
+    etcd: Any = etcd_or_skip(request)
+    with cluster(tmp_path, etcd.endpoint, f"bug-{uuid.uuid4().hex[:8]}") as c:
+        agents = _start(c, 3, [str(BUGGY), "--fail-at", "5", "--error", error])
+        _ends_with(c, agents, f"{error}: the labels of step 5 are out of range (a bug in the "
+                   "script)", f"{error} at step 5")
+        assert "at step 5" in _last_line(agents[0])
+
+
+def test_a_checkpoint_url_with_an_unknown_scheme_ends_the_job_with_its_error(
+    request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    etcd: Any = etcd_or_skip(request)
+    with cluster(tmp_path, etcd.endpoint, f"scheme-{uuid.uuid4().hex[:8]}") as c:
+        agents = _start(c, 2, script_args("nosuch://bucket/run", steps=50))
+        _ends_with(c, agents, "Checkpoint URL (nosuch://bucket/run) has a scheme fsspec does "
+                   "not know", "unknown scheme")
+
+
+def test_s3_without_credentials_ends_the_job_with_its_error(
+    request: pytest.FixtureRequest, tmp_path: Path, moto_endpoint: str
+) -> None:
+    etcd: Any = etcd_or_skip(request)
+    url = f"s3://ckpt-{uuid.uuid4().hex[:8]}/run"
+    with cluster(tmp_path, etcd.endpoint, f"nocreds-{uuid.uuid4().hex[:8]}") as c:
+        agents = _start(c, 2, script_args(url, steps=50),
+                        env={**_NO_CREDENTIALS, "FSSPEC_S3_ENDPOINT_URL": moto_endpoint})
+        _ends_with(c, agents, f"Storage credentials for ({url}) are missing", "S3 without "
+                   "credentials")
+
+
+def test_a_fault_that_survives_every_reconfiguration_stops_the_job_naming_the_step(
+    request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    """In place, the same step abandoned more than ``ELASTIC_MAX_STEP_RETRIES`` times (here
+    1) stops the job with one sentence naming the step and the error: the last rank
+    SIGKILLs itself at step 5, and so does its replacement (``--elastic-mode inplace``: in
+    place from the first step, before the script's own declaration)."""
+    etcd: Any = etcd_or_skip(request)
+    with cluster(tmp_path, etcd.endpoint, f"retries-{uuid.uuid4().hex[:8]}") as c:
+        agents = _start(c, 2, [str(BUGGY), "--kill-at", "5"],
+                        env={"ELASTIC_MAX_STEP_RETRIES": "1"},
+                        flags=("--elastic-mode", "inplace"))
+        codes = [a.wait(180) for a in agents]
+        assert all(code != 0 for code in codes), (codes, c.logs())
+        for agent in agents:
+            last = _last_line(agent)
+            assert re.fullmatch(
+                r"elastic-run: error: job \S+ failed: StepRetriesExceeded: step 5 was abandoned "
+                r"2 times \(last error: [^;]+\); stopping, since a fault that survives every "
+                r"reconfiguration is not a lost peer \(ELASTIC_MAX_STEP_RETRIES raises the "
+                r"limit\)\.", last), f"{agent.log.name}:\n{agent.output()[-4000:]}"
