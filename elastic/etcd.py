@@ -55,6 +55,17 @@ from elastic_errors import ConfigError, EtcdAccessError, EtcdUnavailableError
 
 logger = logging.getLogger(__name__)
 
+WATCH_IDLE_RECONNECT: Final = timedelta(seconds=10)
+"""How long a watch stream may sit idle before it is re-opened (bounds how long a hung etcd
+goes unnoticed); each idle watch therefore costs one new stream per this period."""
+
+
+def keep_alive_period(ttl: int) -> float:
+    """Seconds between two refreshes of a lease of ``ttl`` seconds (a third of the TTL, so two
+    refreshes may fail before etcd drops it)."""
+    return max(ttl / 3.0, 0.2)
+
+
 _ENDPOINT_RE: Final = re.compile(
     r"^(?:(https?)://)?([A-Za-z0-9.\-_]+|\[[0-9a-fA-F:]+\]):(\d{1,5})/?$"
 )
@@ -397,7 +408,8 @@ class EtcdClient:
         return self.cas(key, value, None, lease=lease)[0]
 
     def cas(
-        self, key: str, value: bytes, expected_mod_revision: int | None, *, lease: int = 0
+        self, key: str, value: bytes, expected_mod_revision: int | None, *, lease: int = 0,
+        delete_range: tuple[str, str] | None = None,
     ) -> tuple[bool, KeyValue | None]:
         """Writes ``key`` only if its mod revision is ``expected_mod_revision``.
 
@@ -406,6 +418,15 @@ class EtcdClient:
         round trip. A retried duplicate (the reply to the first attempt was lost) fails its
         compare and returns the value the first attempt wrote, which the caller must treat as
         authoritative.
+
+        Args:
+            key: The key.
+            value: Its new value.
+            expected_mod_revision: The compare (``None``: the key must not exist).
+            lease: Attach the key to this lease (0: none).
+            delete_range: ``(start, end)``: when the compare holds, every key ``k`` with
+                ``start <= k < end`` is deleted in the same transaction (``key`` must not be
+                among them: etcd refuses a transaction that writes and deletes one key).
 
         Returns:
             ``(written, current)``: ``current`` is the key after the transaction.
@@ -418,9 +439,14 @@ class EtcdClient:
         put: dict[str, Any] = {"key": b64(key), "value": b64(value)}
         if lease:
             put["lease"] = str(lease)
+        success: list[dict[str, Any]] = [{"request_put": put}]
+        if delete_range is not None:
+            start, end = delete_range
+            success.append({"request_delete_range": {"key": b64(start),
+                                                     "range_end": b64(end)}})
         reply = self.call("/v3/kv/txn", {
             "compare": [compare],
-            "success": [{"request_put": put}, {"request_range": {"key": b64(key)}}],
+            "success": [*success, {"request_range": {"key": b64(key)}}],
             "failure": [{"request_range": {"key": b64(key)}}],
         })
         written = bool(reply.get("succeeded", False))
@@ -464,7 +490,7 @@ class EtcdClient:
 
     def watch_prefix(
         self, prefix: str, *, on_change: Callable[[Sequence[WatchEvent]], None] | None = None,
-        idle_reconnect: timedelta = timedelta(seconds=10),
+        idle_reconnect: timedelta = WATCH_IDLE_RECONNECT,
     ) -> PrefixWatch:
         """Mirrors every key under ``prefix`` in memory (see :class:`PrefixWatch`)."""
         return PrefixWatch(self, prefix, on_change=on_change, idle_reconnect=idle_reconnect)
@@ -549,9 +575,10 @@ def _rejection(url: str, reply: requests.Response, key: Any = None) -> str:
 class Lease:
     """A lease kept alive by a daemon thread until :meth:`revoke` (or its owner's death).
 
-    The thread refreshes the lease every ``ttl / 3`` seconds. If etcd reports the lease gone
-    (it expired while this process could not reach etcd, or someone revoked it), :attr:`lost`
-    is set and ``on_lost`` is called once, from the keep-alive thread.
+    The thread refreshes the lease every ``ttl / 3`` seconds (:func:`keep_alive_period`). If
+    etcd reports the lease gone (it expired while this process could not reach etcd, or
+    someone revoked it), :attr:`lost` is set and ``on_lost`` is called once, from the
+    keep-alive thread.
 
     Args:
         client: the client to use.
@@ -583,7 +610,7 @@ class Lease:
         return f"Lease(id={self.id:#x}, ttl={self.ttl}, lost={self.lost.is_set()})"
 
     def _run(self) -> None:
-        interval = max(self.ttl / 3.0, 0.2)
+        interval = keep_alive_period(self.ttl)
         # One refresh may take at most one interval, so a slow etcd never delays the next.
         deadline = timedelta(seconds=interval)
         while not self._stop.wait(interval):
@@ -627,6 +654,7 @@ class Lease:
 
 __all__ = [
     "RETRY_POLICY",
+    "WATCH_IDLE_RECONNECT",
     "EtcdClient",
     "EtcdConfig",
     "KeyValue",
@@ -634,6 +662,7 @@ __all__ = [
     "PrefixWatch",
     "WatchEvent",
     "config_from_env",
+    "keep_alive_period",
     "parse_endpoints",
     "wait_for_keys",
 ]
