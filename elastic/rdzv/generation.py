@@ -97,6 +97,14 @@ def open_run(client: EtcdClient, keys: JobKeys, *, linger: int = DEFAULT_LINGER_
     raise RuntimeError(f"job {keys.job}: too many agents raced to start a run; try again")
 
 
+def _valid(kind: type[EndRecord] | type[GenerationRecord], kv: KeyValue) -> bool:
+    try:
+        kind.loads(kv.value, kv.key)
+    except RecordError:
+        return False
+    return True
+
+
 def _recent_end(client: EtcdClient, run: JobKeys) -> EndRecord | None:
     end = client.get(run.end)
     if end is None:
@@ -138,21 +146,22 @@ def end_run(client: EtcdClient, keys: JobKeys, end: EndRecord, *,
         Whether this call ended it (the end record is written only once).
     """
     lease = client.grant_lease(linger if linger > 0 else END_KEEP_S)  # never kept alive
-    if not client.create(keys.end, end.dumps(), lease=lease):
+    written, current = client.cas(keys.end, end.dumps(), None, lease=lease)
+    if not written and current is not None and not _valid(EndRecord, current):
+        # Not an end record (foreign or damaged): it must not keep the run from ending.
+        written, current = client.cas(keys.end, end.dumps(), current.mod_revision, lease=lease)
+    if not written:
         client.revoke_lease(lease)
         return False
     kv = client.get(keys.generation_key)
-    if kv is not None:
-        try:
-            current = GenerationRecord.loads(kv.value, kv.key)
-        except RecordError:
-            current = None
-        if current is not None and current.generation == keys.generation:
-            done = GenerationRecord(keys.generation, end.outcome)
-            keep = client.grant_lease(GENERATION_KEEP_S)
-            if not client.cas(keys.generation_key, done.dumps(), kv.mod_revision,
-                              lease=keep)[0]:
-                client.revoke_lease(keep)
+    ours = kv is not None and (not _valid(GenerationRecord, kv) or GenerationRecord.loads(
+        kv.value, kv.key).generation == keys.generation)
+    if kv is not None and ours:
+        # (A damaged generation record is replaced too: the id stays reusable.)
+        done = GenerationRecord(keys.generation, end.outcome)
+        keep = client.grant_lease(GENERATION_KEEP_S)
+        if not client.cas(keys.generation_key, done.dumps(), kv.mod_revision, lease=keep)[0]:
+            client.revoke_lease(keep)
     # The run's state goes; node records and the leader key expire with their leases.
     client.delete(keys.world)
     client.delete_prefix(keys.store)

@@ -113,14 +113,20 @@ class JobView:
         return self._watch.items().get(self._keys.world)
 
     def leader(self) -> str | None:
-        """The leader's node id, or ``None`` while nobody leads."""
+        """The leader's node id, or ``None`` while nobody leads (see :meth:`leader_kv`)."""
         kv = self._watch.items().get(self._keys.leader)
-        if kv is None:
+        if kv is None or kv.lease == 0:
             return None
         try:
-            return kv.value.decode()
+            return kv.value.decode() or None
         except UnicodeDecodeError:
             return None
+
+    def leader_kv(self) -> KeyValue | None:
+        """The raw leader key. Only a value that :meth:`leader` names is a leader: a key on
+        no lease, or not a node id, was not written by a campaign (a leader's key is on its
+        node's lease) and may be replaced by the next candidate."""
+        return self._watch.items().get(self._keys.leader)
 
     def end(self) -> EndRecord | None:
         """How the run ended (kept once seen), or ``None`` while it runs."""
