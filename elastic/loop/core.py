@@ -33,10 +33,11 @@ Guarantees:
 * Lost work is bounded (:mod:`~elastic.loop.saves`); in place it is the step in flight.
 * SIGTERM drains: every rank agrees at a step boundary, saves and stops
   (:mod:`~elastic.loop.signals`).
-* Every rank agrees on a drain and on a newer world one step after any rank saw it, with
-  one small asynchronous all-reduce per step whose result is read a step later
-  (:class:`~elastic.boundary_flags.BoundaryFlags`): no blocking collective of its own, no
-  device sync.
+* Every rank agrees on a drain and on a newer world at the same step, soon after any rank
+  saw it (within about two agreements), with one small asynchronous all-reduce whose result
+  is read at the next agreement (:class:`~elastic.boundary_flags.BoundaryFlags`): no
+  blocking collective of its own, no device sync, and not one every step either: about one
+  every 50 ms when steps are shorter (:class:`~elastic.boundary_flags.AgreementCadence`).
 
 Under ``elastic-run --events-dir`` global rank 0 records ``step``, ``checkpoint`` and
 ``restored`` events in the job event log (:mod:`elastic.eventlog`).
@@ -59,7 +60,7 @@ from torch import nn
 
 from elastic import env
 from elastic.batching import BatchPlan, plan_batches
-from elastic.boundary_flags import BoundaryFlags
+from elastic.boundary_flags import AgreementCadence, BoundaryFlags
 from elastic.eventlog import EventLog
 from elastic.loop.audit import IndexedCollate, IndexedDataset, SampleAudit
 from elastic.loop.loop_state import LOOP_KEY, LoopState, optimizers_in, python_rng_state
@@ -203,6 +204,7 @@ class ElasticLoop:
                 opt.register_step_pre_hook(lambda *_args: controller.before_optimizer_step())
         self.replicas = Replicas(ctx, in_place=controller is not None)
         self._flags: BoundaryFlags | None = None
+        self._cadence = AgreementCadence()
         #: Completed optimizer steps; the index of the next step to run.
         self.step = 0
         #: Step the loop resumed from (0 on a fresh start).
@@ -568,6 +570,7 @@ class ElasticLoop:
             self.sampler.reshard(rank, world)
         self._batches = None
         self._flags = None  # the agreement runs on the new world's group
+        self._cadence.reset()
         if self.checkpoint is not None and self.ctx is not None:
             self.checkpoint.rebind(self.ctx.checkpoint_group, self.ctx.round)
 
@@ -601,6 +604,7 @@ class ElasticLoop:
         self._batches = None
         self._step_started = None
         self._flags = None
+        self._cadence.reset()
         for entry in (*self._user_state.values(), *self.replicas.modules()):
             module = getattr(entry, "model", entry)
             if isinstance(module, nn.Module):
@@ -625,6 +629,7 @@ class ElasticLoop:
     def settle_collectives(self) -> None:
         """Waits for the boundary agreement in flight (its group is about to go)."""
         flags, self._flags = self._flags, None
+        self._cadence.reset()
         if flags is not None:
             flags.flush()
 
@@ -684,19 +689,25 @@ class ElasticLoop:
                          world=self.ctx.world_size if self.ctx is not None else 1)
 
     def _agree(self) -> bool:
-        """This step's flags go out; the previous step's, agreed by every rank, come back."""
-        newer = self._inplace is not None and self._inplace.change_pending()
-        flags = [self._drain.requested, newer]
+        """At an agreement step (:class:`~elastic.boundary_flags.AgreementCadence`), this
+        rank's flags go out and the previous agreement's, the same on every rank, come back."""
         if self.ctx is None or self.ctx.world_size == 1:
-            agreed: tuple[bool, ...] | None = tuple(flags)
+            newer = self._inplace is not None and self._inplace.change_pending()
+            agreed: tuple[bool, ...] | None = (self._drain.requested, newer)
         else:
             if self.step >= self.max_steps:
                 # The last step: start nothing new (no collective may outlive the loop).
                 self.settle_collectives()
                 return False
+            if not self._cadence.due(self.step):
+                return False
+            newer = self._inplace is not None and self._inplace.change_pending()
             if self._flags is None:
                 self._flags = BoundaryFlags(2, self.ctx.device, self.ctx.process_group)
-            agreed = self._flags.exchange(flags)
+            agreed = self._flags.exchange([self._drain.requested, newer],
+                                          self._cadence.step_time(self.step))
+            if agreed is not None:
+                self._cadence.agreed(self.step, self._flags.agreed_measure)
         if agreed is None:
             return False
         if agreed[_NEWER_WORLD] and self._inplace is not None:

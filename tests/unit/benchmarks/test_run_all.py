@@ -23,6 +23,8 @@ import pytest
 from benchmarks import run_all
 from benchmarks.goodput_under_faults import Run as GoodputRun
 from benchmarks.inplace_vs_torchrun import Run as InplaceRun
+from benchmarks.loop_overhead import Result as LoopResult
+from benchmarks.loop_overhead import schedule as loop_schedule
 from benchmarks.metrics_overhead import Result as MetricsResult
 from benchmarks.metrics_overhead import schedule as metrics_schedule
 from benchmarks.recovery_vs_torchrun import Run as RecoveryRun
@@ -281,6 +283,26 @@ def test_metrics_script_json_feeds_the_summary() -> None:
     assert cpu.ours == pytest.approx(1.025)
 
 
+# ------------------------------------------------------------------------------------ loop
+
+
+def test_loop_rows_compare_the_managed_loop_with_plain_ddp_against_the_goal() -> None:
+    result = LoopResult(steps=300, warmup=50, blocks=[
+        {"mode": "plain", "step_s": 1.4e-3, "cpu_s": 1.0e-3},
+        {"mode": "managed", "step_s": 1.6e-3, "cpu_s": 1.1e-3},
+        {"mode": "managed", "step_s": 2.0e-3, "cpu_s": 1.2e-3},
+        {"mode": "plain", "step_s": 1.5e-3, "cpu_s": 1.0e-3}])
+    data = json.loads(json.dumps({
+        **asdict(result), "pair_overheads_s": result.pair_overheads_s,
+        "overhead_s": result.overhead_s, "cpu_overhead_s": result.cpu_overhead_s}))
+    step, cpu = run_all.loop_rows(data)
+    assert result.pair_overheads_s == pytest.approx([0.2e-3, 0.5e-3])
+    assert step.met is False and "+0.350 ms" in step.measure  # median of 0.2 and 0.5
+    assert step.ours == pytest.approx(1.8e-3) and step.baseline == pytest.approx(1.45e-3)
+    assert cpu.met is True and "+0.150 ms" in cpu.measure
+    assert loop_schedule(2) == ["plain", "managed", "managed", "plain"]
+
+
 # --------------------------------------------------------------------------------- goodput
 
 
@@ -378,7 +400,7 @@ def test_markdown_detail_fences_progress_lines_only() -> None:
 def test_select() -> None:
     assert [b.name for b in run_all.select("checkpoint,rendezvous")] == ["rendezvous",
                                                                          "checkpoint"]
-    assert len(run_all.select(None)) == len(run_all.BENCHES) == 6
+    assert len(run_all.select(None)) == len(run_all.BENCHES) == 7
     with pytest.raises(ValueError, match="nope"):
         run_all.select("rendezvous,nope")
 
