@@ -248,7 +248,10 @@ def _keepalive_process(endpoint: str, leases: Any, conn: Any, threads: int) -> N
                 if message[0] == "add":
                     period = keep_alive_period(message[2])
                     live.add(message[1])
-                    heapq.heappush(heap, (time.monotonic() + period, message[1], period))
+                    # First refresh at once: the node's process may have held the grant's
+                    # reply for a while (hundreds of threads share its GIL), which no real
+                    # agent, alone on its machine, does.
+                    heapq.heappush(heap, (time.monotonic(), message[1], period))
                     lock.notify()
                 else:
                     live.discard(message[1])
@@ -314,6 +317,36 @@ def _keep_alive_once(sock: socket.socket, lease_id: int) -> bool:
         raise ValueError(reply[:80].decode(errors="replace"))
     ttl = re.search(rb'"TTL":"(-?\d+)"', reply)
     return ttl is not None and int(ttl.group(1)) > 0  # etcd omits a TTL of 0: lease gone
+
+
+def _share_world_parses() -> None:
+    """Parses each world record once per process, not once per simulated node.
+
+    Every agent parses the world after each change; a real agent does it once, on its own
+    machine (about 5 ms for 1024 nodes x 8 workers here). The 256 simulated nodes of one
+    process would do it 256 times on the same two cores, which measures the simulation, not
+    the protocol. Each node still receives the record on its own watch stream and decodes the
+    stream's message; only the parsed record (immutable) is shared.
+    """
+    from elastic.rdzv.records import WorldRecord
+
+    parse = WorldRecord.loads.__func__  # type: ignore[attr-defined]
+    cache: dict[tuple[str, int, bytes], WorldRecord] = {}
+    lock = threading.Lock()
+
+    def loads(cls: type[WorldRecord], raw: bytes, key: str, *, revision: int = 0
+              ) -> WorldRecord:
+        with lock:
+            hit = cache.get((key, revision, raw))
+        if hit is None:
+            hit = parse(cls, raw, key, revision=revision)
+            with lock:
+                if len(cache) > 64:
+                    cache.clear()
+                cache[(key, revision, raw)] = hit
+        return hit
+
+    WorldRecord.loads = classmethod(loads)  # type: ignore[method-assign,assignment]
 
 
 def _client_class(leases: Any) -> Any:
@@ -400,6 +433,7 @@ def _ours_process(conn: Any, endpoint: str, prefix: str, job: str, first: int, c
 
     counters = _Counters()
     counters.install()
+    _share_world_parses()
     client_cls = _client_class(leases)
     config = EtcdConfig(endpoints=(endpoint,), request_timeout=timedelta(seconds=20),
                         deadline=timedelta(seconds=120))
@@ -846,14 +880,15 @@ def goals(rounds: list[RoundResult]) -> list[str]:
     big = of(OURS, 1024)
     if big is not None:
         met = big.round_s is not None and big.round_s < 10.0
-        out.append(f"- goal: 1024 nodes complete a round in < 10 s: {_fmt_round(big)} s: "
+        unit = " s" if big.round_s is not None else ""
+        out.append(f"- goal: 1024 nodes complete a round in < 10 s: {_fmt_round(big)}{unit}: "
                    f"{'met' if met else 'NOT met'}")
     ours, base = of(OURS, 128), of(C10D, 128)
     if ours is not None and base is not None:
         met = (ours.round_s is not None
                and (base.round_s is None or ours.round_s <= base.round_s))
-        out.append(f"- goal: at 128 nodes no slower than c10d: {_fmt_round(ours)} s vs "
-                   f"{_fmt_round(base)} s: {'met' if met else 'NOT met'}")
+        out.append(f"- goal: at 128 nodes no slower than c10d: {_fmt_round(ours)} vs "
+                   f"{_fmt_round(base)} (s): {'met' if met else 'NOT met'}")
     per_node = [(r.nodes, r.cas_attempts / r.nodes) for r in rounds
                 if r.backend == OURS and r.round_s is not None]
     if per_node:
