@@ -89,7 +89,8 @@ class Row:
         ours: elastic-run's value, or ``None`` when it was not measured.
         baseline: The baseline's value, or ``None``.
         baseline_name: What the baseline is (``torchrun``, ``copy floor``...).
-        unit: ``"s"``, ``""`` (a fraction), ``"steps"``.
+        unit: ``"s"``, ``"ms"`` (seconds shown in milliseconds), ``""`` (a fraction),
+            ``"steps"``.
         speedup: The ratio is ``baseline / ours`` (a speed-up) instead of ``ours / baseline``.
         goal: The goal in words, empty when the issues set none.
         met: Whether the goal is met; ``None`` without a goal or without the values.
@@ -372,7 +373,7 @@ def loop_rows(data: dict[str, Any], stdout: str = "") -> list[Row]:
         rows.append(Row("loop", f"{what}, ElasticLoop managed in place vs plain DDP "
                         f"(+{1e3 * over:.3f} ms, median of pairs)", median("managed", key),
                         median("plain", key), "plain DDP + DistributedSampler, same job",
-                        goal="<= plain + 0.3 ms", met=over <= LOOP_OVERHEAD_GOAL_S,
+                        unit="ms", goal="<= plain + 0.3 ms", met=over <= LOOP_OVERHEAD_GOAL_S,
                         ours_note=note))
     return rows
 
@@ -392,6 +393,8 @@ def _value(v: float | None, unit: str) -> str:
         return f"{v:.3f} s" if v < 1 else f"{v:.2f} s"
     if unit == "steps":
         return f"{v:.0f} steps"
+    if unit == "ms":  # a value in seconds, shown in milliseconds
+        return f"{1e3 * v:.3f} ms"
     return f"{v:.3f}"
 
 

@@ -300,6 +300,8 @@ def test_loop_rows_compare_the_managed_loop_with_plain_ddp_against_the_goal() ->
     assert step.met is False and "+0.350 ms" in step.measure  # median of 0.2 and 0.5
     assert step.ours == pytest.approx(1.8e-3) and step.baseline == pytest.approx(1.45e-3)
     assert cpu.met is True and "+0.150 ms" in cpu.measure
+    assert "| 1.800 ms (2 pairs of 300-step blocks) | 1.450 ms (plain DDP" in \
+        run_all.render_row(step)
     assert loop_schedule(2) == ["plain", "managed", "managed", "plain"]
 
 
