@@ -67,7 +67,9 @@ def prefix_range_end(prefix: str) -> str:
 def decode_kv(item: dict[str, Any]) -> KeyValue:
     """Decodes one gateway ``KeyValue`` (base64 fields, int64 as strings)."""
     return KeyValue(
-        key=base64.b64decode(item["key"]).decode(),
+        # A key name that is not UTF-8 can only be foreign (anyone who may write the prefix
+        # can create one): it must not take a watch down; it is ignored as any foreign key.
+        key=base64.b64decode(item["key"]).decode(errors="replace"),
         value=base64.b64decode(item.get("value", "")),
         mod_revision=int(item.get("mod_revision", 0)),
         create_revision=int(item.get("create_revision", 0)),

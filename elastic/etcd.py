@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import json
 import logging
 import os
 import re
@@ -36,6 +37,8 @@ from datetime import timedelta
 from typing import Any, Final, NoReturn
 
 import requests
+import requests.utils
+import urllib3
 from tenacity import (
     stop_after_delay,
 )
@@ -54,6 +57,17 @@ from elastic._etcd_wire import (
 from elastic_errors import ConfigError, EtcdAccessError, EtcdUnavailableError
 
 logger = logging.getLogger(__name__)
+
+WATCH_IDLE_RECONNECT: Final = timedelta(seconds=10)
+"""How long a watch stream may sit idle before it is re-opened (bounds how long a hung etcd
+goes unnoticed); each idle watch therefore costs one new stream per this period."""
+
+
+def keep_alive_period(ttl: int) -> float:
+    """Seconds between two refreshes of a lease of ``ttl`` seconds (a third of the TTL, so two
+    refreshes may fail before etcd drops it)."""
+    return max(ttl / 3.0, 0.2)
+
 
 _ENDPOINT_RE: Final = re.compile(
     r"^(?:(https?)://)?([A-Za-z0-9.\-_]+|\[[0-9a-fA-F:]+\]):(\d{1,5})/?$"
@@ -194,6 +208,7 @@ class EtcdClient:
         self._lock = threading.Lock()
         self._auth_lock = threading.Lock()
         self._session = self.new_session()
+        self._http = self._new_pool()
         self._token: str | None = None
 
     def __repr__(self) -> str:
@@ -214,6 +229,22 @@ class EtcdClient:
             session.cert = (self.config.cert, self.config.key) if self.config.key else \
                 self.config.cert
         return session
+
+    def _new_pool(self) -> urllib3.PoolManager:
+        """The connection pool of this client's unary requests.
+
+        Unary requests (one per membership change, one per lease refresh) go to urllib3
+        directly: ``requests``' session machinery costs about a millisecond of CPU per
+        request on a small machine, which a node agent pays every second for its lease and
+        a simulation of a thousand agents pays a thousand times. Same TLS settings as
+        :meth:`new_session` (requests' default CA bundle when none is given); no proxies.
+        """
+        tls: dict[str, Any] = {}
+        if any(url.startswith("https://") for url in self._urls):
+            tls = {"cert_reqs": "CERT_REQUIRED",
+                   "ca_certs": self.config.ca_cert or requests.utils.DEFAULT_CA_BUNDLE_PATH,
+                   "cert_file": self.config.cert, "key_file": self.config.key}
+        return urllib3.PoolManager(num_pools=len(self._urls) + 1, maxsize=16, **tls)
 
     def endpoint_ports(self) -> frozenset[int]:
         """The TCP ports of this client's endpoints."""
@@ -241,14 +272,28 @@ class EtcdClient:
         """Logs in again after etcd rejected ``stale_token`` (no-op without credentials)."""
         self._authenticate(stale_token)
 
+    def _post(self, url: str, payload: dict[str, Any], headers: dict[str, str]) -> _Reply:
+        """One POST; ``requests`` exceptions for every failure (the callers classify them)."""
+        timeout = self.config.request_timeout.total_seconds()
+        try:
+            reply = self._http.request(
+                "POST", url, body=json.dumps(payload).encode(),
+                # "Accept" as requests sends it: without it, etcd's gateway (3.5) answers a
+                # request that lacks credentials "permission denied", not "user name is empty".
+                headers={"Content-Type": "application/json", "Accept": "*/*", **headers},
+                timeout=urllib3.Timeout(connect=timeout, read=timeout), retries=False,
+                redirect=False)
+        except urllib3.exceptions.SSLError as exc:
+            raise requests.exceptions.SSLError(str(exc)) from exc
+        except (urllib3.exceptions.HTTPError, OSError) as exc:
+            raise requests.exceptions.ConnectionError(f"{type(exc).__name__}: {exc}") from exc
+        return _Reply(reply.status, reply.data)
+
     def _post_once(self, path: str, payload: dict[str, Any]) -> dict[str, Any]:
         url = self.current_url()
         try:
             headers = self.auth_headers()
-            reply = self._session.post(
-                url + path, json=payload, headers=headers,
-                timeout=self.config.request_timeout.total_seconds(),
-            )
+            reply = self._post(url + path, payload, headers)
         except requests.RequestException as exc:
             self._raise_unless_tls_refusal(url, exc)
         if self.config.username and reply.status_code != 200 and (
@@ -275,11 +320,9 @@ class EtcdClient:
                 return  # another thread already logged in again
             url = self.current_url()
             try:
-                reply = self._session.post(
-                    url + "/v3/auth/authenticate",
-                    json={"name": username, "password": self.config.password or ""},
-                    timeout=self.config.request_timeout.total_seconds(),
-                )
+                reply = self._post(url + "/v3/auth/authenticate",
+                                   {"name": username, "password": self.config.password or ""},
+                                   {})
             except requests.RequestException as exc:
                 self._raise_unless_tls_refusal(url, exc)
             if reply.status_code >= 500:
@@ -397,7 +440,8 @@ class EtcdClient:
         return self.cas(key, value, None, lease=lease)[0]
 
     def cas(
-        self, key: str, value: bytes, expected_mod_revision: int | None, *, lease: int = 0
+        self, key: str, value: bytes, expected_mod_revision: int | None, *, lease: int = 0,
+        delete_range: tuple[str, str] | None = None,
     ) -> tuple[bool, KeyValue | None]:
         """Writes ``key`` only if its mod revision is ``expected_mod_revision``.
 
@@ -406,6 +450,15 @@ class EtcdClient:
         round trip. A retried duplicate (the reply to the first attempt was lost) fails its
         compare and returns the value the first attempt wrote, which the caller must treat as
         authoritative.
+
+        Args:
+            key: The key.
+            value: Its new value.
+            expected_mod_revision: The compare (``None``: the key must not exist).
+            lease: Attach the key to this lease (0: none).
+            delete_range: ``(start, end)``: when the compare holds, every key ``k`` with
+                ``start <= k < end`` is deleted in the same transaction (``key`` must not be
+                among them: etcd refuses a transaction that writes and deletes one key).
 
         Returns:
             ``(written, current)``: ``current`` is the key after the transaction.
@@ -418,9 +471,14 @@ class EtcdClient:
         put: dict[str, Any] = {"key": b64(key), "value": b64(value)}
         if lease:
             put["lease"] = str(lease)
+        success: list[dict[str, Any]] = [{"request_put": put}]
+        if delete_range is not None:
+            start, end = delete_range
+            success.append({"request_delete_range": {"key": b64(start),
+                                                     "range_end": b64(end)}})
         reply = self.call("/v3/kv/txn", {
             "compare": [compare],
-            "success": [{"request_put": put}, {"request_range": {"key": b64(key)}}],
+            "success": [*success, {"request_range": {"key": b64(key)}}],
             "failure": [{"request_range": {"key": b64(key)}}],
         })
         written = bool(reply.get("succeeded", False))
@@ -464,7 +522,7 @@ class EtcdClient:
 
     def watch_prefix(
         self, prefix: str, *, on_change: Callable[[Sequence[WatchEvent]], None] | None = None,
-        idle_reconnect: timedelta = timedelta(seconds=10),
+        idle_reconnect: timedelta = WATCH_IDLE_RECONNECT,
     ) -> PrefixWatch:
         """Mirrors every key under ``prefix`` in memory (see :class:`PrefixWatch`)."""
         return PrefixWatch(self, prefix, on_change=on_change, idle_reconnect=idle_reconnect)
@@ -474,11 +532,27 @@ class EtcdClient:
         return wait_for_keys(self, keys, timeout)
 
     def close(self) -> None:
-        """Closes the HTTP session (watches and leases have their own threads to stop)."""
+        """Closes the HTTP connections (watches and leases have their own threads to stop)."""
         self._session.close()
+        self._http.clear()
 
 
-def _grpc_message(reply: requests.Response) -> str:
+@dataclass(frozen=True, slots=True)
+class _Reply:
+    """A gateway reply: what the error handling reads of it."""
+
+    status_code: int
+    body: bytes
+
+    @property
+    def text(self) -> str:
+        return self.body.decode(errors="replace")
+
+    def json(self) -> Any:
+        return json.loads(self.body)
+
+
+def _grpc_message(reply: _Reply) -> str:
     try:
         body = reply.json()
     except ValueError:
@@ -524,7 +598,7 @@ def _tls_refusal(url: str, exc: requests.RequestException, config: EtcdConfig) -
     return None
 
 
-def _rejection(url: str, reply: requests.Response, key: Any = None) -> str:
+def _rejection(url: str, reply: _Reply, key: Any = None) -> str:
     message = _grpc_message(reply)
     if "user name is empty" in message or "invalid auth token" in message:
         hint = (f"etcd requires authentication; set {env.ETCD_USERNAME} and "
@@ -549,9 +623,10 @@ def _rejection(url: str, reply: requests.Response, key: Any = None) -> str:
 class Lease:
     """A lease kept alive by a daemon thread until :meth:`revoke` (or its owner's death).
 
-    The thread refreshes the lease every ``ttl / 3`` seconds. If etcd reports the lease gone
-    (it expired while this process could not reach etcd, or someone revoked it), :attr:`lost`
-    is set and ``on_lost`` is called once, from the keep-alive thread.
+    The thread refreshes the lease every ``ttl / 3`` seconds (:func:`keep_alive_period`). If
+    etcd reports the lease gone (it expired while this process could not reach etcd, or
+    someone revoked it), :attr:`lost` is set and ``on_lost`` is called once, from the
+    keep-alive thread.
 
     Args:
         client: the client to use.
@@ -583,7 +658,7 @@ class Lease:
         return f"Lease(id={self.id:#x}, ttl={self.ttl}, lost={self.lost.is_set()})"
 
     def _run(self) -> None:
-        interval = max(self.ttl / 3.0, 0.2)
+        interval = keep_alive_period(self.ttl)
         # One refresh may take at most one interval, so a slow etcd never delays the next.
         deadline = timedelta(seconds=interval)
         while not self._stop.wait(interval):
@@ -627,6 +702,7 @@ class Lease:
 
 __all__ = [
     "RETRY_POLICY",
+    "WATCH_IDLE_RECONNECT",
     "EtcdClient",
     "EtcdConfig",
     "KeyValue",
@@ -634,6 +710,7 @@ __all__ = [
     "PrefixWatch",
     "WatchEvent",
     "config_from_env",
+    "keep_alive_period",
     "parse_endpoints",
     "wait_for_keys",
 ]

@@ -12,7 +12,7 @@ torch's own ``get_args_parser()``, extended), plus:
 * ``--max-restarts N`` (default 3) and ``--restart-window S`` (default 3600): each node's
   crash budget (:mod:`launch.budget`); ``--etcd-connect-timeout``: see ``--help``;
 * ``--preemption-watch`` (and the metadata URL and drain flags): leave the job on a spot
-  preemption notice (see :mod:`launch.departure`);
+  preemption notice (see :mod:`launch.preemption`);
 * ``--events-dir DIR|URL`` (or ``ELASTIC_EVENTS_DIR``): the job event log (:mod:`elastic.eventlog`),
   a local directory or any fsspec URL (``s3://...``);
 * ``--metrics-port PORT`` (or ``ELASTIC_METRICS_PORT``) and ``--metrics-host``: serve the node's

@@ -91,7 +91,8 @@ class AgentConfig:
         mode: ``auto``, ``inplace`` or ``restart`` (``--elastic-mode``).
         shutdown_grace: Seconds between SIGTERM and SIGKILL when stopping workers.
         drain_timeout: On a preemption notice, the longest the workers get to leave.
-        linger: Seconds the run's end record stays for nodes that come late.
+        linger: Seconds after a run's end during which a node that comes late exits instead
+            of starting a fresh run of the job id (0: never).
         worker_env: Extra environment for every worker (in-place tuning, events, ...).
         metrics_port: The agent's Prometheus port, published in the node record.
         build_timeout: Seconds a world's process groups wait for every member
@@ -113,7 +114,7 @@ class AgentConfig:
     mode: str = "auto"
     shutdown_grace: float = 30.0
     drain_timeout: float = 60.0
-    linger: int = 60
+    linger: int = 0
     worker_env: Mapping[str, str] = field(default_factory=dict)
     metrics_port: int | None = None
     build_timeout: float = 10.0
@@ -449,7 +450,7 @@ class NodeAgent:
     def run(self) -> AgentOutcome:
         """Runs this node's part of the job; returns how it ended."""
         keys = JobKeys(self.config.key_prefix, self.config.job_id)
-        opened = open_run(self.client, keys)
+        opened = open_run(self.client, keys, linger=self.config.linger)
         if opened.ended is not None:
             return self._late(opened.ended)
         self._run = RunMembership(

@@ -127,11 +127,10 @@ def run(args: argparse.Namespace) -> int:
 
     from elastic.rdzv.config import RdzvConf, client_for
     from elastic.rdzv.job import interface_of, registered_address
-    from launch.budget import CrashBudget
     from launch.etcd_probe import probe
-    from launch.node_agent import AgentConfig, NodeAgent
-    from launch.preemption import PreemptionMonitor
+    from launch.node_agent import NodeAgent
     from launch.slots import WorkerCommand
+    from launch.telemetry import NodeTelemetry
 
     config, cmd, cmd_args = config_from_args(args)
     conf = RdzvConf.parse(config.rdzv_configs, member_ttl=args.inplace_ttl)
@@ -150,22 +149,9 @@ def run(args: argparse.Namespace) -> int:
     events = EventLog(args.events_dir, job=config.run_id, source="agent")
     # The workers report to this agent over a local socket; with --metrics-port the node's
     # Prometheus series are one more sink of its event log.
-    from launch.telemetry import NodeTelemetry
-
     telemetry = NodeTelemetry(events, metrics_port=args.metrics_port,
                               metrics_host=args.metrics_host).start()
-    agent_config = AgentConfig(
-        job_id=config.run_id, key_prefix=conf.key_prefix, min_nodes=config.min_nodes,
-        max_nodes=config.max_nodes, nproc_per_node=int(config.nproc_per_node), addr=addr,
-        ttl=conf.member_ttl, last_call=conf.last_call_timeout,
-        join_timeout=conf.join_timeout, monitor_interval=config.monitor_interval,
-        budget=CrashBudget(max_restarts=args.max_restarts, window=args.restart_window),
-        mode=args.elastic_mode, shutdown_grace=float(config.shutdown_timeout or 30),
-        drain_timeout=args.preemption_drain_timeout, linger=conf.linger,
-        worker_env={**_worker_env(args), **interface_env(addr, os.environ),
-                    **telemetry.worker_env},
-        metrics_port=telemetry.metrics_port, build_timeout=args.inplace_build_timeout,
-    )
+    agent_config = _agent_config(args, config, conf, addr, telemetry)
     _log_config({
         "script": args.training_script,
         "nodes (min:max)": f"{agent_config.min_nodes}:{agent_config.max_nodes}",
@@ -181,22 +167,11 @@ def run(args: argparse.Namespace) -> int:
     })
     agent = NodeAgent(agent_config, client, command, events)
     agent.launched_at = process_started_at()
-    watchers = _watchers(args)
-    agent.preemption_watch = [w.source for w in watchers]
-    monitor = PreemptionMonitor(watchers)
-    monitor.start(agent.request_departure)  # main thread: the SIGTERM watcher needs it
-    if "sigterm" not in agent.preemption_watch:
-        signal.signal(signal.SIGTERM, lambda signum, _frame: agent.request_stop(signum))
-    signal.signal(signal.SIGINT, lambda signum, _frame: agent.request_stop(signum))
-    outcome, code, message = "failed", 1, "the node agent stopped unexpectedly."
+    monitor = _watch_signals_and_notices(args, agent)
     try:
-        result = agent.run()
-        outcome, code, message = result.outcome, result.code, result.message
-    except (EtcdUnavailableError, ConfigError, RecordError) as exc:
-        outcome, code, message = "rendezvous_error", EXIT_RENDEZVOUS, str(exc)
+        code, message = _run_agent(agent, events)
     finally:
         monitor.stop()
-        events.record("agent_exited", outcome=outcome, exit_code=code)
         telemetry.close()
         events.close()  # a log on a URL puts its last records (a bounded wait)
         if args.events_dir:
@@ -209,3 +184,51 @@ def run(args: argparse.Namespace) -> int:
         return _fail(message, code)
     logger.info("%s", message)
     return 0
+
+
+def _run_agent(agent: Any, events: EventLog) -> tuple[int, str]:
+    """Runs the agent to its end; returns its exit code and its one sentence."""
+    outcome, code, message = "failed", 1, "the node agent stopped unexpectedly."
+    try:
+        result = agent.run()
+        outcome, code, message = result.outcome, result.code, result.message
+    except (EtcdUnavailableError, ConfigError, RecordError) as exc:
+        outcome, code, message = "rendezvous_error", EXIT_RENDEZVOUS, str(exc)
+    finally:
+        events.record("agent_exited", outcome=outcome, exit_code=code)
+    return code, message
+
+
+def _agent_config(args: argparse.Namespace, config: Any, conf: Any, addr: str,
+                  telemetry: Any) -> Any:
+    """The node agent's settings, from torchrun's parsed config, ``--rdzv-conf`` and ours."""
+    from launch.budget import CrashBudget
+    from launch.node_agent import AgentConfig
+
+    return AgentConfig(
+        job_id=config.run_id, key_prefix=conf.key_prefix, min_nodes=config.min_nodes,
+        max_nodes=config.max_nodes, nproc_per_node=int(config.nproc_per_node), addr=addr,
+        ttl=conf.member_ttl, last_call=conf.last_call_timeout,
+        join_timeout=conf.join_timeout, monitor_interval=config.monitor_interval,
+        budget=CrashBudget(max_restarts=args.max_restarts, window=args.restart_window),
+        mode=args.elastic_mode, shutdown_grace=float(config.shutdown_timeout or 30),
+        drain_timeout=args.preemption_drain_timeout, linger=conf.linger,
+        worker_env={**_worker_env(args), **interface_env(addr, os.environ),
+                    **telemetry.worker_env},
+        metrics_port=telemetry.metrics_port, build_timeout=args.inplace_build_timeout,
+    )
+
+
+def _watch_signals_and_notices(args: argparse.Namespace, agent: Any) -> Any:
+    """Starts the preemption watchers and routes SIGTERM/SIGINT to the agent; returns the
+    monitor to stop."""
+    from launch.preemption import PreemptionMonitor
+
+    watchers = _watchers(args)
+    agent.preemption_watch = [w.source for w in watchers]
+    monitor = PreemptionMonitor(watchers)
+    monitor.start(agent.request_departure)  # main thread: the SIGTERM watcher needs it
+    if "sigterm" not in agent.preemption_watch:
+        signal.signal(signal.SIGTERM, lambda signum, _frame: agent.request_stop(signum))
+    signal.signal(signal.SIGINT, lambda signum, _frame: agent.request_stop(signum))
+    return monitor

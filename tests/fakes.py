@@ -237,7 +237,8 @@ class FakeEtcd:
         return self.cas(key, value, None, lease=lease)[0]
 
     def cas(
-        self, key: str, value: bytes, expected_mod_revision: int | None, *, lease: int = 0
+        self, key: str, value: bytes, expected_mod_revision: int | None, *, lease: int = 0,
+        delete_range: tuple[str, str] | None = None,
     ) -> tuple[bool, KeyValue | None]:
         with self._lock:
             self._enter("cas")
@@ -249,6 +250,20 @@ class FakeEtcd:
             if not ok:
                 self.cas_conflicts += 1
                 return False, current
+            if delete_range is not None:
+                start, end = delete_range
+                if start <= key < end:
+                    raise EtcdUnavailableError(
+                        f"etcd ({self.endpoints_text}) rejected the request with HTTP 400 "
+                        "(etcdserver: duplicate key given in txn request); check the request.")
+                # One revision for the whole transaction, as etcd gives it.
+                doomed = [k for k in self._kv if start <= k < end]
+                written = self._write(key, value, lease)
+                for k in doomed:
+                    del self._kv[k]
+                self._notify([WatchEvent("DELETE", k, None, written.mod_revision)
+                              for k in doomed])
+                return True, written
             return True, self._write(key, value, lease)
 
     def delete(self, key: str) -> int:

@@ -1,10 +1,14 @@
 """Tear down and rebuild the process groups of a worker that stays alive.
 
-Each world (epoch) gets fresh groups whose rendezvous runs on the TCPStore server the world
-names (``PrefixStore(f"e{epoch}/", TCPStore)``), hosted by a member node's agent, never by a
-worker: a worker's crash never takes the store down, and a fresh server per world means a new
-epoch can never read an old epoch's addresses. Building a 2-rank gloo world this way takes
-about 30 ms on loopback.
+Each world (epoch) gets fresh groups whose rendezvous runs on the TCPStore the world record
+names (``PrefixStore(f"e{epoch}/", TCPStore)``): a spare store server hosted by the agent of
+one of the world's nodes, never by a worker, and never handed to two worlds (an agent
+replaces its spare once a world names it). So a new epoch can never read an old epoch's
+addresses, a worker's death never takes the store with it, and the rendezvous of a world
+costs etcd nothing (a TCPStore answers in microseconds, where each key on etcd would be a
+Raft write). If the hosting node dies while the world is built, the build fails and the
+leader writes the next world on another node's store. Building a 2-rank gloo world this way
+takes about 30 ms on loopback.
 
 Tear-down must not hang on a dead peer. gloo raises at once when a peer's connection resets
 (a SIGKILLed process), and destroying its groups is local. NCCL communicators can block in

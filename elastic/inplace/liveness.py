@@ -1,10 +1,11 @@
-"""Knowing at once that a peer process is gone, instead of waiting for its lease to expire.
+"""Knowing at once that a peer node is gone, instead of waiting for its lease to expire.
 
-A worker killed with its whole node agent (an OOM kill of the tree, a crashed container on a
-live host) leaves its member key in etcd until the key's lease expires (``--inplace-ttl``,
-3 s): nobody is left on that node to delete it. Survivors that saw a collective fail would sit
-out that TTL on every such loss. Each worker therefore listens on a TCP port of its own (the
-*liveness port*, advertised in its member key) and never reads from it:
+A node whose agent and workers die together (an OOM kill of the tree, a crashed container on
+a live host) leaves its node record in etcd until the agent's lease expires
+(``--inplace-ttl``, 3 s): nobody is left on that node to delete it. Survivors whose collective
+failed would sit out that TTL on every such loss. Each node agent therefore listens on a TCP
+port of its own (the *liveness port*, ``probe_port`` in its node record and in the world's
+members) and never reads from it:
 
 * the kernel completes the handshake of a listening socket by itself, so a probe succeeds
   while the process lives, even when it is stopped or busy in a long step;

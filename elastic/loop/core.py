@@ -33,10 +33,11 @@ Guarantees:
 * Lost work is bounded (:mod:`~elastic.loop.saves`); in place it is the step in flight.
 * SIGTERM drains: every rank agrees at a step boundary, saves and stops
   (:mod:`~elastic.loop.signals`).
-* Every rank agrees on a drain and on a newer world one step after any rank saw it, with
-  one small asynchronous all-reduce per step whose result is read a step later
-  (:class:`~elastic.boundary_flags.BoundaryFlags`): no blocking collective of its own, no
-  device sync.
+* Every rank agrees on a drain and on a newer world at the same step, soon after any rank
+  saw it (within about two agreements), with one small asynchronous all-reduce whose result
+  is read at the next agreement (:class:`~elastic.boundary_flags.BoundaryFlags`): no
+  blocking collective of its own, no device sync, and not one every step either: about one
+  every 50 ms when steps are shorter (:class:`~elastic.boundary_flags.AgreementCadence`).
 
 Under ``elastic-run --events-dir`` global rank 0 records ``step``, ``checkpoint`` and
 ``restored`` events in the job event log (:mod:`elastic.eventlog`).
@@ -44,12 +45,11 @@ Under ``elastic-run --events-dir`` global rank 0 records ``step``, ``checkpoint`
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import random
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from datetime import timedelta
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
@@ -59,13 +59,18 @@ from torch import nn
 
 from elastic import env
 from elastic.batching import BatchPlan, plan_batches
-from elastic.boundary_flags import BoundaryFlags
+from elastic.boundary_flags import AgreementCadence, BoundaryFlags
 from elastic.eventlog import EventLog
+from elastic.loop.agreement import StepAgreement
 from elastic.loop.audit import SampleAudit
+from elastic.loop.inplace_hooks import InPlaceHooks
 from elastic.loop.loop_state import LOOP_KEY, LoopState, optimizers_in, python_rng_state
-from elastic.loop.replicas import ElasticModel, Replicas, to_device
+from elastic.loop.managed import ManagedWay
+from elastic.loop.microbatch import MicroBatching
+from elastic.loop.replicas import ElasticModel, Replicas
+from elastic.loop.reporting import LoopReporting, tell_agent
 from elastic.loop.saves import SaveSchedule
-from elastic.loop.signals import DrainSignal, shield_workers_from_sigterm
+from elastic.loop.signals import DrainSignal
 from elastic_errors import ConfigError
 
 if TYPE_CHECKING:
@@ -77,10 +82,8 @@ __all__ = ["ElasticLoop"]
 
 logger = logging.getLogger(__name__)
 
-_DRAIN, _NEWER_WORLD = 0, 1
 
-
-class ElasticLoop:
+class ElasticLoop(MicroBatching, ManagedWay, InPlaceHooks, StepAgreement, LoopReporting):
     """Drives the steps of an elastic job (see the module docstring for both ways).
 
     Args:
@@ -205,6 +208,7 @@ class ElasticLoop:
             controller.check_config(self)
         self.replicas = Replicas(ctx, in_place=controller is not None)
         self._flags: BoundaryFlags | None = None
+        self._cadence = AgreementCadence()
         #: Completed optimizer steps; the index of the next step to run.
         self.step = 0
         #: Step the loop resumed from (0 on a fresh start).
@@ -224,218 +228,6 @@ class ElasticLoop:
         self._micro_size = self.plan.micro_batch_size  # its samples
         self._audit = SampleAudit.from_env() if managed else None
         self._wrapper: ElasticModel | None = None
-
-    # -- batch plan -------------------------------------------------------------------------
-
-    @property
-    def grad_accum_steps(self) -> int:
-        """Micro-batches per rank per optimizer step on the current world."""
-        return self.plan.grad_accum_steps
-
-    @property
-    def micro_batch_size(self) -> int:
-        """Samples per micro-batch on the current world (use it as the DataLoader batch)."""
-        return self.plan.micro_batch_size
-
-    @property
-    def loss_scale(self) -> float:
-        """Factor for each micro-batch's *mean* loss so that the accumulated, rank-averaged
-        gradient is the mean over the global batch."""
-        return self.plan.loss_scale
-
-    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """Scales the current micro-batch's *mean* loss for the global batch (by its own
-        sample count, so uneven shares still give the global batch's mean gradient)."""
-        return loss * self.plan.loss_scale_for(self._micro_size)
-
-    def batch_sampler(self) -> Iterable[list[int]]:
-        """This rank's micro-batches of indices, step after step: build the explicit way's
-        loader once with ``DataLoader(dataset, batch_sampler=loop.batch_sampler())``; it
-        works at any world size and follows every world change (:meth:`micro_batches`
-        starts a new pass over it, at the sampler's cursor, under the new world's plan)."""
-        if self.sampler is None:
-            raise ConfigError("batch_sampler() needs the loop's sampler; pass sampler= to "
-                              "ElasticLoop.")
-        return _StepBatches(self.sampler, lambda: self.plan)
-
-    def _rank(self) -> int:
-        return self.ctx.rank if self.ctx is not None else 0
-
-    def micro_batches(self, loader: Iterable[Any],
-                      model: nn.Module | None = None) -> Iterator[Any]:
-        """Yields this step's micro-batches from ``loader`` (the explicit way).
-
-        The loader's iterator is kept across steps (it is endless over the sampler's stream),
-        so DataLoader workers are started once; they ignore SIGTERM. With a DDP ``model``,
-        all but the last micro-batch run under ``model.no_sync()``: gradients are all-reduced
-        once per step. Call ``backward()`` before asking for the next micro-batch.
-
-        Raises:
-            ConfigError: If the loader's batch size is not :attr:`micro_batch_size`.
-        """
-        batch_size = getattr(loader, "batch_size", None)
-        if batch_size is not None and batch_size != self.plan.micro_batch_size:
-            raise ConfigError(
-                f"DataLoader batch_size ({batch_size}) differs from the micro batch of this "
-                f"world ({self.plan.micro_batch_size}); build the loader with "
-                "batch_sampler=loop.batch_sampler(), which follows every world."
-            )
-        if batch_size is not None and not self.plan.even:
-            raise ConfigError(
-                f"world size ({self.plan.world_size}) splits the global batch "
-                f"({self.global_batch_size}) unevenly, which a fixed DataLoader batch_size "
-                "cannot follow; build the loader with batch_sampler=loop.batch_sampler()."
-            )
-        generation = self.ctx.generation if self.ctx is not None else 0
-        if (self._batches is None or self._loader is not loader
-                or self._batches_generation != generation):
-            self._batches_generation = generation
-            self._loader = loader
-            shield_workers_from_sigterm(loader)
-            self._batches = iter(loader)
-        no_sync = getattr(model, "no_sync", None)
-        sizes = self.plan.micro_batch_sizes(self._rank())
-        last = len(sizes) - 1
-        for index, size in enumerate(sizes):
-            batch = next(self._batches)
-            self._micro, self._micro_size = (index, len(sizes)), size
-            if no_sync is not None and index < last:
-                with no_sync():
-                    yield batch
-            else:
-                if self._inplace is not None:
-                    # The step's gradient collective comes with this micro-batch's backward:
-                    # from here on this rank waits for its peers (the progress rule).
-                    self._inplace.reached_collective()
-                yield batch
-
-    # -- the managed way --------------------------------------------------------------------
-
-    @property
-    def model(self) -> nn.Module:
-        """The managed model: call it like the model; it runs DDP on the current world."""
-        if self._module is None:
-            raise ConfigError("loop.model needs the managed loop; pass model=, optimizer= "
-                              "and data= to ElasticLoop.")
-        if self._wrapper is None:
-            self._wrapper = ElasticModel(self._module, self._forward)
-        return self._wrapper
-
-    def _forward(self, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        if self._abandoned:
-            return module(*args, **kwargs)  # the step is dropped: no collective, any output
-        replica = self.replicas.wrap(module)
-        if replica is not module:
-            # Gradients are all-reduced once per step, with the last micro-batch (what
-            # DDP's no_sync() does, which must enclose the forward too).
-            replica.require_backward_grad_sync = self._last_micro()  # type: ignore[assignment]
-        if self._inplace is None:
-            return replica(*args, **kwargs)
-        try:
-            return replica(*args, **kwargs)
-        except Exception as exc:
-            self._abandon_or_raise(exc)
-            return module(*args, **kwargs)
-
-    def _last_micro(self) -> bool:
-        index, count = self._micro
-        return index == count - 1
-
-    @property
-    def at_step_end(self) -> bool:
-        """The managed way: whether the current micro-batch is its step's last (the step
-        completes once its backward is done): the moment to log a step's loss."""
-        return self._last_micro()
-
-    def backward(self, loss: torch.Tensor) -> None:
-        """Backpropagates a micro-batch's *mean* loss, scaled for the global batch.
-
-        The scale makes the accumulated, rank-averaged gradient the mean over the step's
-        global batch on any world. A peer's failure during the gradient all-reduce abandons
-        the step (the loop reconfigures before the next one) instead of failing the worker.
-        """
-        if self._abandoned:
-            return
-        if self._inplace is not None and self._last_micro():
-            self._inplace.reached_collective()
-        scaled = loss * self.plan.loss_scale_for(self._micro_size)
-        if self._inplace is None:
-            scaled.backward()  # type: ignore[no-untyped-call]
-            return
-        try:
-            scaled.backward()  # type: ignore[no-untyped-call]
-        except Exception as exc:
-            self._abandon_or_raise(exc)
-
-    def batches(self) -> Iterator[Any]:
-        """Yields every micro-batch of every step still to run, moved to the device.
-
-        After a step's last micro-batch the loop clips (``max_grad_norm``), steps the
-        optimizer and scheduler, and closes the step (cursor, saves, drain agreement).
-        """
-        if self._data is None or self.optimizer is None:
-            raise ConfigError("loop.batches() needs the managed loop; pass model=, optimizer= "
-                              "and data= to ElasticLoop.")
-        entered = not self._restored
-        if entered:
-            self.__enter__()
-        try:
-            for _step in self:
-                self._declare()
-                loader = self._managed_loader()
-                self._audit_world(_step)
-                with self.step_guard():
-                    for batch in self.micro_batches(loader):
-                        if self._audit is not None:
-                            ids, batch = batch
-                            self._audit.batch(generation=self._generation(), step=_step,
-                                              rank=self._rank(), ids=ids)
-                        yield to_device(batch, self.ctx.device if self.ctx else
-                                        torch.device("cpu"))
-                        if self._abandoned:
-                            break
-                    if not self._abandoned:
-                        self._optimizer_step()
-                        if self._audit is not None:
-                            self._audit.done(generation=self._generation(), step=_step,
-                                             rank=self._rank(), world=self.plan.world_size)
-                        self.end_step()
-        finally:
-            if entered:
-                self.close(wait=True)
-
-    def _managed_loader(self) -> Iterable[Any]:
-        from elastic.loop.data import managed_loader
-
-        loader = self._loader
-        if loader is None or self._batches is None:
-            # A new world or a restore: the loader snapshots the cursor and the split.
-            loader = managed_loader(self._data, self.plan, self.batch_sampler,
-                                    self._loader_options, with_ids=self._audit is not None)
-            self._loader = loader
-        return loader
-
-    def _generation(self) -> int:
-        return self.ctx.generation if self.ctx is not None else 0
-
-    def _audit_world(self, step: int) -> None:
-        if self._audit is None:
-            return
-        heal = getattr(self._inplace, "last_heal", None) if self._inplace else None
-        self._audit.world(generation=self._generation(), rank=self._rank(),
-                          world=self.plan.world_size, step=step,
-                          storage_loads=self.storage_loads,
-                          received=bool(heal and heal.received),
-                          source=heal.source if heal else -1)
-
-    def _optimizer_step(self) -> None:
-        assert self.optimizer is not None and self._module is not None
-        if self._max_grad_norm is not None:
-            nn.utils.clip_grad_norm_(self._module.parameters(), self._max_grad_norm)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        if self.scheduler is not None:
-            self.scheduler.step()
 
     # -- lifecycle --------------------------------------------------------------------------
 
@@ -553,84 +345,6 @@ class ElasticLoop:
         """True when ``max_steps`` steps are done."""
         return self.step >= self.max_steps
 
-    # -- in-place reconfiguration (see elastic.inplace) -------------------------------------
-
-    def heal_state(self) -> dict[str, Any]:
-        """Everything a survivor sends a rank that is behind (the checkpointed state)."""
-        return self._full_state()
-
-    def world_changed(self) -> None:
-        """Re-plans the batch and re-shards the data for the context's current world."""
-        self.has_state = True
-        world = self.ctx.world_size if self.ctx is not None else 1
-        rank = self.ctx.rank if self.ctx is not None else 0
-        self._round = self.ctx.round if self.ctx is not None else None
-        self.plan = plan_batches(self.global_batch_size,
-                                 self._requested_micro or self.global_batch_size, world)
-        if self.sampler is not None:
-            self.sampler.reshard(rank, world)
-        self._batches = None
-        self._flags = None  # the agreement runs on the new world's group
-        if self.checkpoint is not None and self.ctx is not None:
-            self.checkpoint.rebind(self.ctx.checkpoint_group, self.ctx.round)
-
-    def _declare(self) -> None:
-        if self._inplace is not None:
-            self._inplace.declare(self.global_batch_size)
-
-    @contextlib.contextmanager
-    def step_guard(self) -> Iterator[None]:
-        """Wraps a step's body (the explicit way): in place, a peer's failure abandons the
-        step instead of failing the process, and the loop reconfigures before the next step.
-        Without in-place reconfiguration it does nothing. Entering it declares the script
-        in-place capable."""
-        if self._inplace is None:
-            yield
-            return
-        self._declare()
-        try:
-            yield
-        except Exception as exc:
-            self._abandon_or_raise(exc)
-
-    def _abandon_or_raise(self, exc: BaseException) -> None:
-        """Abandons the step if ``exc`` is a peer's failure (membership says so), else raises."""
-        if self._abandoned:
-            return
-        if not (self._inplace is not None and self._inplace.in_place()
-                and self._inplace.confirm_peer_failure(exc)):
-            raise exc
-        self._abandoned = True
-        self._batches = None
-        self._step_started = None
-        self._flags = None
-        for entry in (*self._user_state.values(), *self.replicas.modules()):
-            module = getattr(entry, "model", entry)
-            if isinstance(module, nn.Module):
-                module.zero_grad(set_to_none=True)  # the step's partial gradients
-        # Every survivor records it (rank 0 may be the one that died); the report takes the
-        # first, as the moment the failure was noticed.
-        self._events.record("peer_failed", step=self.step,
-                            error=str(exc).splitlines()[0][:200] if str(exc) else "")
-        self._inplace.abandon(exc, self.step)
-
-    def data_parallel(self, model: nn.Module, **kwargs: Any) -> nn.Module:
-        """``DistributedDataParallel(model)`` on the current world, rebuilt when it changes
-        (the explicit way: call it inside each step; it is cached per world)."""
-        return self.replicas.wrap(model, **kwargs)
-
-    def settle_save(self) -> None:
-        """Waits for the save in flight to commit, and for the step agreement in flight
-        (before a planned world change tears the groups down)."""
-        self.saves.settle(self.step, self._round)
-        self.settle_collectives()
-
-    def settle_collectives(self) -> None:
-        """Waits for the boundary agreement in flight (its group is about to go)."""
-        flags, self._flags = self._flags, None
-        if flags is not None:
-            flags.flush()
-
     # -- steps ------------------------------------------------------------------------------
 
     def __iter__(self) -> Iterator[int]:
@@ -676,7 +390,7 @@ class ElasticLoop:
                               round_=self._round)
         if drain:
             logger.info("drained at step %d", self.step)
-            _tell_agent("drained", step=self.step)
+            tell_agent("drained", step=self.step)
         if started is not None:
             compute = max(0.0, time.monotonic() - started - self.saves.blocked_s)
             if self._inplace is not None:
@@ -685,51 +399,3 @@ class ElasticLoop:
             self._record("step", round=self._round, step=self.step - 1,
                          duration_s=round(compute, 4),
                          world=self.ctx.world_size if self.ctx is not None else 1)
-
-    def _agree(self) -> bool:
-        """This step's flags go out; the previous step's, agreed by every rank, come back."""
-        newer = self._inplace is not None and self._inplace.change_pending()
-        flags = [self._drain.requested, newer]
-        if self.ctx is None or self.ctx.world_size == 1:
-            agreed: tuple[bool, ...] | None = tuple(flags)
-        else:
-            if self.step >= self.max_steps:
-                # The last step: start nothing new (no collective may outlive the loop).
-                self.settle_collectives()
-                return False
-            if self._flags is None:
-                self._flags = BoundaryFlags(2, self.ctx.device, self.ctx.process_group)
-            agreed = self._flags.exchange(flags)
-            if self._inplace is not None:
-                self._inplace.check_agreement()  # NCCL: flags of an aborted world are garbage
-        if agreed is None:
-            return False
-        if agreed[_NEWER_WORLD] and self._inplace is not None:
-            self._inplace.request("membership")
-        return bool(agreed[_DRAIN])
-
-    def _record(self, event: str, **fields: Any) -> None:
-        """Records an event: every rank's reaches its agent's metrics; the job's log keeps
-        global rank 0's (durable): one copy per step (the steps are collective)."""
-        self._events.record(event, durable=self.ctx is None or self.ctx.rank == 0, **fields)
-
-
-class _StepBatches:
-    """A re-iterable batch sampler: each pass starts at the sampler's cursor, under the
-    loop's plan of that moment (the world may have changed since the loader was built)."""
-
-    def __init__(self, sampler: ElasticSampler, plan: Callable[[], BatchPlan]) -> None:
-        self._sampler, self._plan = sampler, plan
-
-    def __iter__(self) -> Iterator[list[int]]:
-        return self._sampler.micro_batches(self._plan())
-
-
-def _tell_agent(kind: str, **fields: Any) -> None:
-    """Sends a message to the node agent when elastic-run runs this worker (else nothing)."""
-    from elastic.agent_link import current_link
-
-    link = current_link()
-    if link is not None:
-        link.send(kind, **fields)
-

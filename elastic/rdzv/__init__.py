@@ -3,7 +3,8 @@
 Keys of one job id (``key_prefix`` defaults to ``/elastic``)::
 
     {prefix}/{job}/generation            the current run of the job id (running / finished /
-                                         failed); a finished id can be reused for a fresh run
+                                         failed); an ended run's id is reused for a fresh run
+                                         at once; once ended, on a one-day lease
     {prefix}/{job}/g{n}/nodes/{node}     one JSON record per node, written only by its agent
                                          (plain puts), on the agent's lease (TTL
                                          ``--inplace-ttl``): the node's address, its spare
@@ -12,7 +13,7 @@ Keys of one job id (``key_prefix`` defaults to ``/elastic``)::
                                          rank order, store, mode}, written only by
                                          compare-and-swap on its mod revision
     {prefix}/{job}/g{n}/job/leader       the leader's node id, on the leader's lease
-    {prefix}/{job}/g{n}/job/end          how the run ended (lingers briefly on a lease)
+    {prefix}/{job}/g{n}/job/end          how the run ended (on a lease: ``linger`` or 30 s)
     {prefix}/{job}/g{n}/store/           an etcd Store for torchrun's agent (plugin only)
 
 One authority: the world's epochs are the only sequence. Agent rounds (restart mode) and

@@ -8,8 +8,9 @@ last_call_timeout       1         seconds joins settle before a world grows (sev
                                   become one reconfiguration)
 member_ttl              3         node lease TTL: a silent node is dropped this long after its
                                   last keep-alive (``--inplace-ttl`` sets it too)
-linger                  60        seconds a run's end record stays for nodes that come late;
-                                  after that the job id can be reused for a fresh run
+linger                  0         seconds after a run's end during which a node that comes
+                                  late exits (0 after a finished run) instead of starting a
+                                  fresh run of the job id; 0: a job id is reusable at once
 read_timeout            5         one etcd request
 deadline                30        retrying etcd before the job fails, naming the endpoints
 key_prefix              /elastic  prefix of every key of elastic-run
@@ -46,7 +47,7 @@ DEFAULTS: Final[dict[str, float]] = {
     "join_timeout": 600.0,
     "last_call_timeout": 1.0,
     "member_ttl": 3.0,
-    "linger": 60.0,
+    "linger": 0.0,
     "read_timeout": 5.0,
     "deadline": 30.0,
 }
@@ -100,7 +101,8 @@ class RdzvConf:
         if ignored:
             logger.warning("ignoring --rdzv-conf key(s) %s: they tune torch's dynamic "
                            "rendezvous, which elastic-run does not use", ignored)
-        numbers = {key: _number(raw, key, default) for key, default in DEFAULTS.items()}
+        numbers = {key: _number(raw, key, default, zero_ok=key == "linger")
+                   for key, default in DEFAULTS.items()}
         if "member_ttl" not in raw and member_ttl is not None:
             numbers["member_ttl"] = float(member_ttl)
         if numbers["member_ttl"] < 1:
@@ -115,7 +117,7 @@ class RdzvConf:
             join_timeout=numbers["join_timeout"],
             last_call_timeout=numbers["last_call_timeout"],
             member_ttl=max(1, round(numbers["member_ttl"])),
-            linger=max(1, round(numbers["linger"])),
+            linger=round(numbers["linger"]),
             read_timeout=numbers["read_timeout"], deadline=numbers["deadline"],
             key_prefix=text("key_prefix") or "/elastic", protocol=text("protocol"),
             ca_cert=text("ca_cert"), ssl_cert=text("ssl_cert"),
@@ -123,16 +125,17 @@ class RdzvConf:
         )
 
 
-def _number(raw: Mapping[str, Any], key: str, default: float) -> float:
+def _number(raw: Mapping[str, Any], key: str, default: float, *,
+            zero_ok: bool = False) -> float:
     value = raw.get(key, default)
     try:
         number = float(value)
     except (TypeError, ValueError):
         number = -1.0
-    if number <= 0:
+    if number < 0 or (number == 0 and not zero_ok) or number != number:
+        what = "a number >= 0" if zero_ok else "a positive number"
         raise ConfigError(
-            f"--rdzv-conf {key} ({value!r}) must be a positive number; pass e.g. "
-            f"{key}={default:g}."
+            f"--rdzv-conf {key} ({value!r}) must be {what}; pass e.g. {key}={default:g}."
         )
     return number
 

@@ -134,7 +134,8 @@ class RunMembership:
         keys: The run's keys (from :func:`~elastic.rdzv.generation.open_run`).
         limits: Node counts and settle time.
         ttl: The node lease TTL (how long a silent node stays a member).
-        linger: Seconds the run's end record stays for nodes that come late.
+        linger: Seconds the run's end record stays for nodes that come late (0: a short
+            while, for ``elastic-run status``).
         on_change: Called (from a watch thread, must not block) whenever the control keys
             change: a new world, a new leader, the run's end.
         on_lease_lost: Called once when etcd dropped this node (see :class:`NodeMembership`).

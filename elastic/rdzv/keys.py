@@ -47,6 +47,12 @@ class JobKeys:
         """The job id's :class:`~elastic.rdzv.records.GenerationRecord` (no lease)."""
         return self.job_root + "generation"
 
+    @property
+    def runs_range(self) -> tuple[str, str]:
+        """``(start, end)`` of every run's keys (``g{n}/...`` for any n), without the
+        generation key itself: ``g`` followed by a digit."""
+        return self.job_root + "g0", self.job_root + "g:"
+
     def for_generation(self, generation: int) -> JobKeys:
         """The keys of run ``generation``."""
         return JobKeys(self.prefix, self.job, generation)

@@ -123,6 +123,8 @@ class LeaderLoop:
         #: Worker incarnations evicted by the progress rule: never admitted again (their agent
         #: kills them; until it has, their node record still shows them ready).
         self._evicted: set[str] = set()
+        self._reported: set[str] = set()
+        self._parsed: dict[str, tuple[int, NodeRecord | None]] = {}
         self.stats = LeaderStats()
         self.leading = False
         view.add_listener(self._wake.set)
@@ -175,7 +177,11 @@ class LeaderLoop:
         if current is not None or lease is None or lease.lost.is_set():
             return False
         self.stats.election_attempts += 1
-        won = self._client.create(self._keys.leader, me.encode(), lease=lease.id)
+        # A leader key that names no leader (foreign or damaged) is replaced, by revision.
+        invalid = self._view.leader_kv()
+        won, _ = self._client.cas(self._keys.leader, me.encode(),
+                                  invalid.mod_revision if invalid is not None else None,
+                                  lease=lease.id)
         if won:
             self._become_leader()
         return won
@@ -201,20 +207,41 @@ class LeaderLoop:
         watch = self._nodes
         if watch is None:
             return []
-        items = watch.items()
-        return parse_nodes([(kv.key, kv.value, kv.create_revision) for kv in items.values()],
-                           on_error=lambda exc: logger.warning("ignoring %s", exc))
+        # Every decision needs all of them, so each value is parsed once, not once per
+        # decision: with N nodes joining, parsing all of them every time would cost O(N^2).
+        parsed: dict[str, tuple[int, NodeRecord | None]] = {}
+        records = []
+        for kv in watch.items().values():
+            hit = self._parsed.get(kv.key)
+            if hit is None or hit[0] != kv.mod_revision:
+                found = parse_nodes([(kv.key, kv.value, kv.create_revision)],
+                                    on_error=self._report_once)
+                hit = (kv.mod_revision, found[0] if found else None)
+            parsed[kv.key] = hit
+            if hit[1] is not None:
+                records.append(hit[1])
+        self._parsed = parsed
+        return records
+
+    def _report_once(self, exc: Exception) -> None:
+        """Logs a node key that holds no node record, once (every decision parses it)."""
+        message = str(exc)
+        if message not in self._reported:
+            self._reported.add(message)
+            logger.warning("ignored: %s", message)
 
     def _lead(self) -> float:
         """One decision; returns how long to sleep if nothing changes meanwhile."""
         nodes = self.node_records()
+        if self._view.world_error() is not None:  # the world key holds no world record
+            self._written = None
+            # Once replaced, the watch brings the new world (and wakes this loop).
+            self._replace_invalid_world(nodes)
+            return _IDLE_WAKE_S
         current = self._view.world()
         written = self._written
         if written is not None and (current is None or current.revision < written.revision):
             current = written
-        if current is None and self._view.world_error() is not None:
-            self._replace_invalid_world(nodes)
-            return 0.0
         if not self._ended and (ended := self._run_over(current, nodes)) is not None:
             self._ended = True
             self._end_run(ended)

@@ -373,16 +373,15 @@ class WorldRecord:
         store = _field(data, "store", dict, key)
         members = []
         for entry in _field(data, "members", list, key):
-            if not isinstance(entry, dict):
-                raise RecordError(f"etcd key {key} has an invalid member ({entry!r}); only "
-                                  "elastic-run may write the job's keys.")
-            workers = _field(entry, "workers", list, key)
-            if not all(isinstance(w, str) for w in workers):
-                raise RecordError(f"etcd key {key} has invalid worker ids ({workers!r}); "
-                                  "only elastic-run may write the job's keys.")
-            members.append(WorldMember(_field(entry, "node", str, key),
-                                       _field(entry, "addr", str, key), tuple(workers),
-                                       _field(entry, "probe_port", int, key)))
+            # Every agent (and every worker) parses the world after each change, and it names
+            # every node: the common case is checked in one expression, the error below.
+            node, addr, port, workers = (entry.get("node"), entry.get("addr"),
+                                         entry.get("probe_port"), entry.get("workers")
+                                         ) if type(entry) is dict else (None,) * 4
+            if (type(node) is not str or type(addr) is not str or type(port) is not int
+                    or type(workers) is not list or not _all_str(workers)):
+                raise _member_error(entry, key)
+            members.append(WorldMember(node, addr, tuple(workers), port))
         mode = data.get("mode")
         if mode not in ("inplace", "restart"):
             raise RecordError(f"etcd key {key} has an invalid 'mode' ({mode!r}); only "
@@ -399,6 +398,29 @@ class WorldRecord:
                    mode=mode, departed=lists["departed"], evicted=lists["evicted"],
                    lost=lists["lost"], cause=str(data.get("cause") or ""),
                    revision=revision)
+
+
+def _all_str(items: list[Any]) -> bool:
+    """Whether every item is a ``str`` (``str.join`` checks it at C speed)."""
+    try:
+        "".join(items)
+    except TypeError:
+        return False
+    return True
+
+
+def _member_error(entry: Any, key: str) -> RecordError:
+    """The one-sentence error for an invalid member entry of a world record."""
+    if not isinstance(entry, dict):
+        return RecordError(f"etcd key {key} has an invalid member ({entry!r}); only "
+                           "elastic-run may write the job's keys.")
+    for name, kind in (("node", str), ("addr", str), ("probe_port", int), ("workers", list)):
+        try:
+            _field(entry, name, kind, key)
+        except RecordError as exc:
+            return exc
+    return RecordError(f"etcd key {key} has invalid worker ids ({entry['workers']!r}); "
+                       "only elastic-run may write the job's keys.")
 
 
 # -- job lifetime ----------------------------------------------------------------------------

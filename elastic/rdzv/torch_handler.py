@@ -67,7 +67,8 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         self._conf = conf
         self._local_addr = registered_address(params.local_addr, params.endpoint)
         try:
-            opened = open_run(client, JobKeys(conf.key_prefix, params.run_id))
+            opened = open_run(client, JobKeys(conf.key_prefix, params.run_id),
+                              linger=conf.linger)
         except EtcdUnavailableError as exc:
             raise RendezvousConnectionError(str(exc)) from exc
         if opened.ended is not None:

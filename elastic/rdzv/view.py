@@ -40,6 +40,9 @@ class JobView:
         self._lock = threading.Condition()
         self._world: WorldRecord | None = None
         self._world_error: RecordError | None = None
+        # The run's end, kept once seen: the end key may go (its short lease, a fresh run of
+        # the job id clearing the old one's keys) before every member has looked.
+        self._end: EndRecord | None = None
         self._reported: set[tuple[str, int]] = set()
         self._watch = client.watch_prefix(keys.control, on_change=self._on_events)
         self._parse(self._watch.items())
@@ -57,6 +60,9 @@ class JobView:
         watch = getattr(self, "_watch", None)
         if watch is None:  # the watch's first snapshot, during __init__: parsed right after
             return
+        for event in events:  # an end put and deleted within one batch is still the end
+            if event.key == self._keys.end and event.kv is not None:
+                self._latch_end(event.kv)
         self._parse(watch.items())
         for listener in list(self._listeners):
             try:
@@ -64,7 +70,17 @@ class JobView:
             except Exception:  # a listener must never take the watch down
                 logger.exception("job view listener failed")
 
+    def _latch_end(self, kv: KeyValue) -> None:
+        if self._end is not None:
+            return
+        try:
+            self._end = EndRecord.loads(kv.value, kv.key)
+        except RecordError as exc:
+            self._report(kv, exc)
+
     def _parse(self, items: Mapping[str, KeyValue]) -> None:
+        if (end := items.get(self._keys.end)) is not None:
+            self._latch_end(end)
         kv = items.get(self._keys.world)
         world, error = None, None
         if kv is not None:
@@ -97,25 +113,25 @@ class JobView:
         return self._watch.items().get(self._keys.world)
 
     def leader(self) -> str | None:
-        """The leader's node id, or ``None`` while nobody leads."""
+        """The leader's node id, or ``None`` while nobody leads (see :meth:`leader_kv`)."""
         kv = self._watch.items().get(self._keys.leader)
-        if kv is None:
+        if kv is None or kv.lease == 0:
             return None
         try:
-            return kv.value.decode()
+            return kv.value.decode() or None
         except UnicodeDecodeError:
             return None
 
+    def leader_kv(self) -> KeyValue | None:
+        """The raw leader key. Only a value that :meth:`leader` names is a leader: a key on
+        no lease, or not a node id, was not written by a campaign (a leader's key is on its
+        node's lease) and may be replaced by the next candidate."""
+        return self._watch.items().get(self._keys.leader)
+
     def end(self) -> EndRecord | None:
-        """How the run ended, or ``None`` while it runs."""
-        kv = self._watch.items().get(self._keys.end)
-        if kv is None:
-            return None
-        try:
-            return EndRecord.loads(kv.value, kv.key)
-        except RecordError as exc:
-            self._report(kv, exc)
-            return None
+        """How the run ended (kept once seen), or ``None`` while it runs."""
+        with self._lock:
+            return self._end
 
     @property
     def revision(self) -> int:

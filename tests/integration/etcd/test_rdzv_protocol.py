@@ -136,21 +136,28 @@ def test_etcd_writes_per_join_heartbeat_and_round(
     assert [s.run.node.writes for s in sims] == [1, 1, 1]
 
 
-def test_a_finished_job_id_is_reused_after_its_end_lingered(
+def test_a_finished_job_id_is_reused_at_once_and_with_linger_after_it(
     etcd_server: object, etcd_prefix: str
 ) -> None:
     client = client_for(etcd_server)
     base = JobKeys(etcd_prefix, "reuse")
     first = open_run(client, base)
     assert first.keys.generation == 1 and first.ended is None
+    client.put(first.keys.store + "x", b"y")
     assert end_run(client, first.keys, EndRecord("finished", "done", 30), linger=2)
     assert not end_run(client, first.keys, EndRecord("failed", "late", 1), linger=2)
-    late = open_run(client, base)  # a replacement started as the job ended
-    assert late.ended == EndRecord("finished", "done", 30)
     assert client.get(first.keys.world) is None  # the run's state is gone
-    time.sleep(4)  # the end record's lease expires (etcd checks leases every 0.5 s)
-    fresh = open_run(client, base)
+    assert client.get_prefix(first.keys.store) == []
+    generation = client.get(base.generation_key)
+    assert generation is not None and generation.lease != 0  # an ended run's record goes too
+
+    late = open_run(client, base, linger=2)  # a replacement started as the job ended
+    assert late.ended == EndRecord("finished", "done", 30)
+    fresh = open_run(client, base)  # without linger (the default): a fresh run at once
     assert fresh.ended is None and fresh.keys.generation == 2
+    assert client.get(first.keys.end) is None  # the old run's keys went with the start
+    generation = client.get(base.generation_key)
+    assert generation is not None and generation.lease == 0
 
 
 def test_an_evicted_worker_stays_out_until_its_agent_replaces_it(

@@ -23,29 +23,41 @@ import pytest
 from benchmarks import run_all
 from benchmarks.goodput_under_faults import Run as GoodputRun
 from benchmarks.inplace_vs_torchrun import Run as InplaceRun
+from benchmarks.loop_overhead import Result as LoopResult
+from benchmarks.loop_overhead import schedule as loop_schedule
 from benchmarks.metrics_overhead import Result as MetricsResult
 from benchmarks.metrics_overhead import schedule as metrics_schedule
 from benchmarks.recovery_vs_torchrun import Run as RecoveryRun
-from benchmarks.rendezvous_scale import RoundResult
+from benchmarks.rendezvous_scale import LoadResult, RoundResult, predicted_load
 from benchmarks.sampler_memory import Case as SamplerCase
 
 REPO = Path(__file__).resolve().parents[3]
 
-# What `rendezvous_scale.py --nodes 2 --repeats 1 --processes 2` printed on this machine.
+# What `rendezvous_scale.py --nodes 2 --processes 2 --steady 1` printed on this machine.
 RDZV_STDOUT = "\n".join([
-    "etcd write floor: 518 puts/s of 4 KiB; torch's keep-alives alone need 2.0/s at N=2",
-    "etcd-v3  N=   2 round    1.11s  writes      2  conflicts      0  state     439 B  errors 0",
-    "c10d     N=   2 round    1.11s  writes      2  conflicts      0  state     576 B  errors 0",
+    "elastic-run N=   2 round      0.14  CAS     4 (generation 1, leader 2, world 1)  world "
+    "412 B  errors 0",
+    "                   keep-alives/s 2.0 (predicted 2.0)  watches 3 (predicted 3)  loss "
+    "round 0.009389877319335938",
+    "c10d        N=   2 round      1.08  CAS     2 (lost 0)  errors 0",
     "",
-    "| backend | N | round time (s) | CAS writes | CAS conflicts | conflicts/agent | "
-    "state bytes | errors |",
-    "|---|---|---|---|---|---|---|---|",
-    "| etcd-v3 | 2 | 1.11 | 2 | 0 | 0.0 | 439 | 0 |",
-    "| c10d | 2 | 1.11 | 2 | 0 | 0.0 | 576 | 0 |",
+    "Rendezvous of N simulated nodes (2 processes, 8 worker slots per node record, one etcd, "
+    "cap 60 s per round, 1 repeat(s), medians).",
     "",
-    "- N=2: etcd-v3 round time / c10d round time = 1.00",
+    "| N | elastic-run round (s) | c10d round (s) | elastic-run / c10d | elastic-run CAS "
+    "attempts: generation + leader + world = total (per node) | c10d CAS attempts (lost) |",
+    "|---|---|---|---|---|---|",
+    "| 2 | 0.14 | 1.08 | 0.13 | 1 + 2 + 1 = 4 (2.00) | 2 (0) |",
+    "",
+    "- CAS attempts per round: elastic-run 2.00/node at N=2: O(N)",
     "",
 ])
+
+
+def _rdzv(rounds: list[RoundResult], loads: tuple[LoadResult, ...] = ()) -> dict[str, Any]:
+    """The JSON ``rendezvous_scale.py --json`` writes."""
+    return json.loads(json.dumps({"rounds": [asdict(r) for r in rounds],
+                                  "loads": [asdict(x) for x in loads]}))
 
 
 def _one(rows: list[run_all.Row], measure_part: str, baseline: str) -> run_all.Row:
@@ -199,26 +211,37 @@ def test_cuda_checkpoint_without_a_gpu_is_reported_as_skipped_not_failed(
 
 
 def test_rendezvous_rows_from_a_real_tiny_run() -> None:
-    rounds = [asdict(RoundResult("etcd-v3", 2, 1.1130287647247314, 2, 0, 439, 0)),
-              asdict(RoundResult("c10d", 2, 1.108377456665039, 2, 0, 576, 0))]
-    rows = run_all.rendezvous_rows(rounds, RDZV_STDOUT)
+    load = LoadResult(nodes=2, workers=8, window_s=1.0, keepalives_per_s=1.9977,
+                      watches=3, watch_streams_per_s=0.0, other_requests_per_s=0.0,
+                      predicted=predicted_load(2, ttl=3))
+    data = _rdzv([RoundResult("elastic-run", 2, 0.13818, 2, 60.0, 4, 1),
+                  RoundResult("c10d", 2, 1.07648, 2, 60.0, 2, 0)], (load,))
+    rows = run_all.rendezvous_rows(data, RDZV_STDOUT)
     vs_c10d = _one(rows, "round time, N=2", "c10d")
-    assert vs_c10d.ratio == pytest.approx(1.1130287647247314 / 1.108377456665039)
+    assert vs_c10d.ratio == pytest.approx(0.13818 / 1.07648)
     assert not vs_c10d.speedup and vs_c10d.goal == ""
-    floor = _one(rows, "round time, N=2", "etcd write floor")
-    assert floor.baseline == pytest.approx(2 / 518)
-    assert "2 CAS writes" in floor.measure and "518/s" in floor.measure
+    beats = _one(rows, "keep-alives/s at N=2", "computed")
+    assert beats.ours == pytest.approx(1.9977) and beats.baseline == pytest.approx(2.0)
 
 
-def test_rendezvous_medians_per_n_and_errors() -> None:
-    rounds = [asdict(RoundResult(b, n, t, 40, 3, 900, err)) for b, n, t, err in (
-        ("etcd-v3", 8, 1.0, 0), ("etcd-v3", 8, 9.0, 0), ("etcd-v3", 8, 2.0, 0),
-        ("c10d", 8, 4.0, 0), ("c10d", 8, 4.0, 0), ("c10d", 8, 4.0, 0),
-        ("etcd-v3", 32, 3.0, 1), ("c10d", 32, 6.0, 0))]
-    rows = run_all.rendezvous_rows(rounds, "")  # no floor lines: no floor rows
-    assert [r.measure for r in rows] == ["round time, N=8, median", "round time, N=32, median"]
-    assert rows[0].ours == 2.0 and rows[0].ratio == pytest.approx(0.5)
-    assert rows[1].ours_note == "1 errors" and rows[1].baseline_note == ""
+def test_rendezvous_incomplete_rounds_and_the_goals() -> None:
+    rounds = [RoundResult(b, n, t, done, 60.0, 10, 0) for b, n, t, done in (
+        ("elastic-run", 128, 1.0, 128), ("elastic-run", 128, 3.0, 128),
+        ("elastic-run", 128, 2.0, 128), ("c10d", 128, 4.0, 128),
+        ("elastic-run", 256, 3.0, 256), ("c10d", 256, None, 17),
+        ("elastic-run", 1024, None, 1000))]
+    rows = run_all.rendezvous_rows(_rdzv(rounds), "")
+    assert [r.measure for r in rows] == ["round time, N=128, median",
+                                         "round time, N=256, median",
+                                         "round time, N=1024, median"]
+    at128, at256, at1024 = rows
+    assert at128.ours == 2.0 and at128.ratio == pytest.approx(0.5)
+    assert at128.goal == "<= c10d" and at128.met is True
+    assert at256.baseline is None and at256.baseline_note == "incomplete: 17 of 256 nodes in 60 s"
+    assert at1024.ours is None and at1024.ours_note == "incomplete: 1000 of 1024 nodes in 60 s"
+    assert at1024.baseline_note == "not run: incomplete at a smaller N"
+    assert at1024.goal == "< 10 s" and at1024.met is False
+    assert "**no**" in run_all.render_row(at1024)
 
 
 # -------------------------------------------------------------------------------- recovery
@@ -303,6 +326,28 @@ def test_metrics_script_json_feeds_the_summary() -> None:
     assert step.ours == pytest.approx(1.025)
     # The agent's 10 ms over 20 on-steps is 0.5 ms a step, 0.25 ms on each worker's 10 ms.
     assert cpu.ours == pytest.approx(1.025)
+
+
+# ------------------------------------------------------------------------------------ loop
+
+
+def test_loop_rows_compare_the_managed_loop_with_plain_ddp_against_the_goal() -> None:
+    result = LoopResult(steps=300, warmup=50, blocks=[
+        {"mode": "plain", "step_s": 1.4e-3, "cpu_s": 1.0e-3},
+        {"mode": "managed", "step_s": 1.6e-3, "cpu_s": 1.1e-3},
+        {"mode": "managed", "step_s": 2.0e-3, "cpu_s": 1.2e-3},
+        {"mode": "plain", "step_s": 1.5e-3, "cpu_s": 1.0e-3}])
+    data = json.loads(json.dumps({
+        **asdict(result), "pair_overheads_s": result.pair_overheads_s,
+        "overhead_s": result.overhead_s, "cpu_overhead_s": result.cpu_overhead_s}))
+    step, cpu = run_all.loop_rows(data)
+    assert result.pair_overheads_s == pytest.approx([0.2e-3, 0.5e-3])
+    assert step.met is False and "+0.350 ms" in step.measure  # median of 0.2 and 0.5
+    assert step.ours == pytest.approx(1.8e-3) and step.baseline == pytest.approx(1.45e-3)
+    assert cpu.met is True and "+0.150 ms" in cpu.measure
+    assert "| 1.800 ms (2 pairs of 300-step blocks) | 1.450 ms (plain DDP" in \
+        run_all.render_row(step)
+    assert loop_schedule(2) == ["plain", "managed", "managed", "plain"]
 
 
 # --------------------------------------------------------------------------------- goodput
@@ -453,9 +498,10 @@ def test_json_of_another_shape_is_a_failure_not_a_crash(tmp_path: Path) -> None:
 
 def test_markdown_detail_fences_progress_lines_only() -> None:
     text = run_all.markdown_detail(RDZV_STDOUT)
-    assert text.startswith("```text\netcd write floor: 518 puts/s")
-    assert "```\n\n| backend | N |" in text
-    assert text.endswith("- N=2: etcd-v3 round time / c10d round time = 1.00")
+    assert text.startswith("```text\nelastic-run N=   2 round")
+    assert "```\n\nRendezvous of N simulated nodes" in text
+    assert "\n\n| N | elastic-run round (s) |" in text
+    assert text.endswith("- CAS attempts per round: elastic-run 2.00/node at N=2: O(N)")
     one_line = "Checkpoint throughput, medians of 3.\n\n| a |\n|---|\n| 1 |"
     assert run_all.markdown_detail(one_line) == one_line
 
@@ -475,8 +521,9 @@ _OK_SCRIPT = """\
 import json, sys
 print("| fake | table |")
 print("progress", file=sys.stderr)
-json.dump([{"backend": b, "nodes": 4, "round_s": t, "cas_writes": 8, "cas_conflicts": 0,
-            "state_bytes": 100, "errors": 0} for b, t in (("etcd-v3", 1.0), ("c10d", 2.0))],
+json.dump({"rounds": [{"backend": b, "nodes": 4, "round_s": t, "completed": 4, "cap_s": 60,
+                       "cas_attempts": 8, "cas_lost": 0, "errors": 0, "detail": {}}
+                      for b, t in (("elastic-run", 1.0), ("c10d", 2.0))], "loads": []},
           open(sys.argv[sys.argv.index("--json") + 1], "w"))
 """
 

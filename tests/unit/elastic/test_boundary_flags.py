@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from elastic.boundary_flags import BoundaryFlags
+from elastic.boundary_flags import AgreementCadence, BoundaryFlags
 
 
 def _rank(rank: int, port: int, out: str) -> None:
@@ -22,8 +22,9 @@ def _rank(rank: int, port: int, out: str) -> None:
     seen = []
     for step in range(6):
         # Rank 0 asks to drain at step 2; rank 1 sees a membership change at step 4.
-        agreed = flags.exchange([rank == 0 and step == 2, rank == 1 and step == 4])
-        seen.append(None if agreed is None else list(agreed))
+        agreed = flags.exchange([rank == 0 and step == 2, rank == 1 and step == 4],
+                                measure=float(10 * step + rank))
+        seen.append(None if agreed is None else [*agreed, flags.agreed_measure])
     seen.append(list(flags.flush() or ()))
     flags.exchange([True, True])
     flags.reset()  # a new world: the exchange in flight is dropped
@@ -48,7 +49,9 @@ def test_every_rank_gets_the_same_flags_one_step_late(tmp_path: Path) -> None:
     seen = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert seen[0] == seen[1]
     f, t = False, True
-    assert seen[0] == [None, [f, f], [f, f], [t, f], [f, f], [f, t], [f, f], None]
+    # Each exchange also agrees on the largest measure any rank sent (rank 1's, one late).
+    assert seen[0] == [None, [f, f, 1.0], [f, f, 11.0], [t, f, 21.0], [f, f, 31.0],
+                       [f, t, 41.0], [f, f], None]
 
 
 def test_a_world_of_one_gets_its_flags_back_at_once() -> None:
@@ -61,3 +64,19 @@ def test_a_world_of_one_gets_its_flags_back_at_once() -> None:
             flags.exchange([True])
     finally:
         dist.destroy_process_group()
+
+
+def test_the_cadence_spaces_agreements_by_the_agreed_step_time() -> None:
+    cadence = AgreementCadence(interval_s=0.05, max_steps_between=64)
+    assert cadence.due(0)  # at once after a reset, before any step time is known
+    cadence.agreed(0, 0.0)
+    assert cadence.due(1)
+    cadence.agreed(1, 0.01)  # 10 ms steps: every 5 steps (50 ms)
+    assert [s for s in range(2, 12) if cadence.due(s)] == [6, 7, 8, 9, 10, 11]
+    cadence.agreed(6, 0.2)  # steps longer than the interval: every step
+    assert cadence.due(7)
+    cadence.agreed(7, 1e-6)  # tiny steps: capped
+    assert not cadence.due(70) and cadence.due(71)
+    cadence.reset()  # a new world: the next boundary agrees, on every rank alike
+    assert cadence.due(8)
+    assert cadence.step_time(8) == 0.0  # nothing measured since the reset
