@@ -69,7 +69,7 @@ def test_etcd_down_past_the_deadline_stops_the_job_naming_the_endpoints(
             assert endpoint in agent.output().split("elastic-run: error:")[-1], c.logs()
 
 
-def test_an_inplace_job_whose_workers_train_on_stops_too_when_etcd_stays_down(
+def test_an_inplace_job_whose_workers_train_on_stops_too_past_the_deadline(
     tmp_path: Path, own_etcd: object
 ) -> None:
     # A node that loses etcd for the deadline tells an outage from a cut by its workers: these
