@@ -85,8 +85,9 @@ def worker_main(args: argparse.Namespace) -> int:
     manager = CheckpointManager(args.ckpt, process_group=ctx.checkpoint_group, round=ctx.round)
     progress = Path(args.progress)
     # Written for both modes: in place (elastic-run --elastic-mode inplace) the step body runs
-    # in loop.step_guard(), DDP comes from loop.data_parallel() and the loader is rebuilt
-    # when the world changes; in restart mode those are no-ops.
+    # in loop.step_guard(), DDP comes from loop.data_parallel() and the loader's batch
+    # sampler follows every world (48 samples split unevenly over 2 ranks); in restart mode
+    # those are no-ops.
     loader: DataLoader[Any] | None = None
     with elastic.ElasticLoop(ctx, state={"train": ModelOptimizerState(model, optimizer)},
                              checkpoint=manager, sampler=sampler, max_steps=args.steps,
@@ -95,9 +96,8 @@ def worker_main(args: argparse.Namespace) -> int:
         for step in loop:
             began = time.monotonic()
             with loop.step_guard():
-                if loader is None or loader.batch_size != loop.micro_batch_size:
-                    loader = DataLoader(dataset, batch_size=loop.micro_batch_size,
-                                        sampler=sampler)
+                if loader is None:  # one loader: its batch sampler follows every world
+                    loader = DataLoader(dataset, batch_sampler=loop.batch_sampler())
                 ddp = loop.data_parallel(model)
                 for xb, yb in loop.micro_batches(loader, ddp):
                     loop.scale_loss(nn.functional.mse_loss(ddp(xb), yb)).backward()
