@@ -16,14 +16,18 @@ node's own workers did meanwhile tells them apart:
   again as a new node (its lease is gone) or ends with the run's outcome if the run ended
   meanwhile (exit 0 for a finished run).
 
-A node whose workers never reported a step (a script without ``ElasticLoop``) gives no
-evidence either way and keeps the outage behaviour.
+A node whose workers never reported a step (a script without ``ElasticLoop``, or a node that
+had just joined) asks its peers instead: if none of the world's other nodes answers a probe
+of its liveness port at its registered address, its own link is down (it is cut off); if
+one answers, or there is no other node, it cannot tell and keeps the outage behaviour.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Final
 
 from tenacity import (
@@ -34,11 +38,12 @@ from tenacity import (
     wait_exponential_jitter,
 )
 
+from elastic.inplace.liveness import probe
 from elastic.rdzv.job import RunMembership
 from elastic.rdzv.records import GenerationRecord, RecordError
 from elastic_errors import EtcdUnavailableError
 
-__all__ = ["Reconnect", "ended_while_away", "workers_trained_on"]
+__all__ = ["Reconnect", "cut_off", "ended_while_away", "peers_answer", "workers_trained_on"]
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +73,33 @@ def workers_trained_on(progress_at: float | None, refreshed_at: float | None,
     if progress_at is None or refreshed_at is None:
         return True
     return progress_at > refreshed_at + TRAINED_ON_TTLS * ttl
+
+
+def cut_off(progress_at: float | None, refreshed_at: float | None, ttl: float,
+            peers_answering: bool | None) -> bool:
+    """Whether a node that lost etcd for the deadline is cut off from the job (see the
+    module docstring).
+
+    Args:
+        progress_at: See :func:`workers_trained_on`.
+        refreshed_at: See :func:`workers_trained_on`.
+        ttl: The lease TTL in seconds.
+        peers_answering: Whether any other node of the world answered a liveness probe
+            (``None``: the world has no other node).
+    """
+    if progress_at is not None and refreshed_at is not None:
+        return not workers_trained_on(progress_at, refreshed_at, ttl)
+    return peers_answering is False
+
+
+def peers_answer(addresses: Sequence[tuple[str, int]], timeout: float = 1.0) -> bool | None:
+    """Whether any of ``addresses`` (other nodes' liveness ports) accepts a connection;
+    ``None`` without addresses."""
+    if not addresses:
+        return None
+    with ThreadPoolExecutor(max_workers=min(16, len(addresses)),
+                            thread_name_prefix="elastic-cutoff-probe") as pool:
+        return any(pool.map(lambda a: probe(a[0], a[1], timeout) is True, addresses))
 
 
 def ended_while_away(record: GenerationRecord | None, generation: int

@@ -66,7 +66,7 @@ from elastic.rdzv.records import EndRecord, NodeRecord, WorkerSlot, WorldRecord,
 from elastic_errors import EtcdUnavailableError
 from launch.budget import CrashBudget
 from launch.channel import ChannelServer, WorkerConnection
-from launch.cutoff import Reconnect, ended_while_away, workers_trained_on
+from launch.cutoff import Reconnect, cut_off, ended_while_away, peers_answer
 from launch.slots import SlotProcess, WorkerCommand, stop_all
 from launch.stores import StorePool
 
@@ -535,16 +535,22 @@ class NodeAgent:
         reconnect = self._reconnect
         if reconnect is None:
             lease = run.node.lease
-            if workers_trained_on(self._progress_at,
-                                  lease.last_refreshed if lease is not None else None,
-                                  self.config.ttl):
+            refreshed = lease.last_refreshed if lease is not None else None
+            answering = None
+            if self._progress_at is None or refreshed is None:
+                world = run.world()
+                answering = peers_answer([(m.addr, m.probe_port) for m in (
+                    world.members if world is not None else ())
+                    if m.node != self._node and m.probe_port])
+            if not cut_off(self._progress_at, refreshed, self.config.ttl, answering):
                 error = run.view.watch.error
                 raise error if error is not None else EtcdUnavailableError("etcd watch failed")
             logger.warning(
-                "etcd (%s) has not answered for the etcd deadline, and this node's workers "
-                "stopped training when the others must have dropped it: this node is cut off "
-                "from the job, not witnessing an etcd outage; it keeps trying to reach etcd "
-                "for up to %.0f s (join_timeout)", run.client.endpoints_text,
+                "etcd (%s) has not answered for the etcd deadline, and %s: this node is cut "
+                "off from the job, not witnessing an etcd outage; it keeps trying to reach "
+                "etcd for up to %.0f s (join_timeout)", run.client.endpoints_text,
+                "no other node answers" if answering is False else "this node's workers "
+                "stopped training when the others must have dropped it",
                 self.config.join_timeout)
             self._reconnect = Reconnect(run, give_up_after=self.config.join_timeout)
             return None

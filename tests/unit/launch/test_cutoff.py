@@ -4,10 +4,18 @@ away (:mod:`launch.cutoff`); the whole path runs for real in
 
 from __future__ import annotations
 
+import socket
+
 import pytest
 
 from elastic.rdzv.records import GenerationRecord
-from launch.cutoff import TRAINED_ON_TTLS, ended_while_away, workers_trained_on
+from launch.cutoff import (
+    TRAINED_ON_TTLS,
+    cut_off,
+    ended_while_away,
+    peers_answer,
+    workers_trained_on,
+)
 
 TTL = 3.0
 
@@ -31,6 +39,31 @@ def test_no_evidence_keeps_the_outage_behaviour(progress_at: float | None,
                                                 refreshed_at: float | None) -> None:
     # A script without ElasticLoop never reports a step: the node stops as on an outage.
     assert workers_trained_on(progress_at, refreshed_at, ttl=TTL)
+
+
+def test_steps_decide_when_the_workers_reported_some() -> None:
+    assert cut_off(99.0, 100.0, TTL, peers_answering=True)
+    assert not cut_off(129.0, 100.0, TTL, peers_answering=False)
+
+
+def test_without_steps_a_node_no_peer_answers_is_cut_off() -> None:
+    # A node that had just joined (or runs a plain script): its peers tell. None answering
+    # means its own link is down; one answering, or no peer at all, cannot tell.
+    assert cut_off(None, 100.0, TTL, peers_answering=False)
+    assert not cut_off(None, 100.0, TTL, peers_answering=True)
+    assert not cut_off(None, 100.0, TTL, peers_answering=None)
+
+
+def test_peers_answer_probes_for_real() -> None:
+    with socket.socket() as listening, socket.socket() as closed:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        closed.bind(("127.0.0.1", 0))  # bound, never listening: refused
+        live = listening.getsockname()
+        dead = closed.getsockname()
+        assert peers_answer([dead, live]) is True
+        assert peers_answer([dead]) is False
+    assert peers_answer([]) is None
 
 
 def test_a_run_still_running_did_not_end() -> None:
