@@ -533,6 +533,14 @@ class NodeAgent:
                 ``join_timeout`` seconds.
         """
         reconnect = self._reconnect
+        if reconnect is None and _etcd_answers(run):
+            # The main loop can be late here (a put of this node's record waits out the
+            # deadline too): if etcd answers by now there is no outage to report, and the
+            # evidence below (peers answering again) would be stale.
+            logger.warning("etcd's watch gave up after the etcd deadline, but etcd answers "
+                           "again: following the run again")
+            self._reconnect = Reconnect(run, give_up_after=self.config.join_timeout)
+            return None
         if reconnect is None:
             lease = run.node.lease
             refreshed = lease.last_refreshed if lease is not None else None
@@ -1083,6 +1091,15 @@ class NodeAgent:
         self._channel.close()
         self._liveness.close()
         self._stores.close()
+
+
+def _etcd_answers(run: RunMembership) -> bool:
+    """Whether etcd answers right now (one quick status call, about 2 s at most)."""
+    try:
+        run.client.call("/v3/maintenance/status", {}, deadline=timedelta(seconds=2))
+    except EtcdUnavailableError:
+        return False
+    return True
 
 
 def _cause_of(world: WorldRecord, previous: WorldRecord | None) -> str | None:

@@ -111,6 +111,8 @@ def run_inplace_campaign(root: Path, *, seed: int, faults: int, per_run: int = 5
             result.check()
         except AssertionError as exc:
             error = str(exc)
+            # The whole story, next to the run's logs and audit.
+            (result.root / "failure.txt").write_text(f"{error}\n\n{result.logs}")
         injected = [i.fault.kind for i in result.injected if i.at is not None]
         tally["runs"] += 1
         tally["faults"] += len(injected)
@@ -118,12 +120,12 @@ def run_inplace_campaign(root: Path, *, seed: int, faults: int, per_run: int = 5
         tally["wall_s"] = round(tally["wall_s"] + result.wall_s, 1)
         if error:
             tally["failed"].append(index)
-            if result.hung or result.startup:
-                tally["hangs"] += int(bool(result.hung))
-            elif "audit" in result.checks and "checkpoint" not in result.checks:
-                tally["unloadable_checkpoints"] += 1
-            elif "audit" not in result.checks:
-                tally["wrong_weights_or_samples"] += 1
+            kind = ("hangs" if result.hung else "startup_failures" if result.startup
+                    else "bad_exits" if "exit" not in result.checks
+                    else "wrong_weights_or_samples" if "audit" not in result.checks
+                    else "unloadable_checkpoints" if "checkpoint" not in result.checks
+                    else "left_running")
+            tally[kind] = tally.get(kind, 0) + 1
         line = {"run": index, "ok": not error, **netns_summary(result),
                 "error": error.splitlines()[:3]}
         _emit(line, out)

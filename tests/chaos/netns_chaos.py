@@ -31,6 +31,10 @@ kill_etcd_member   SIGKILL etcd member ``member`` for ``duration`` s, then start
 storage_outage     reset every connection to S3 for ``duration`` s
 =================  ==============================================================================
 
+A host or partition fault on a slot waits until the slot's node has joined the job: a node
+still probing etcd at start-up, cut off then, stops at once naming the endpoints (exit 3),
+as it must when they are wrong.
+
 Faults are injected one after the other, each once the job has trained up to its step (the
 gate keeps training at most :data:`GATE_AHEAD` steps ahead of the next fault). Every run is
 checked (:meth:`NetnsRunResult.check`): it did not hang (a cap on the run's time, and on the
@@ -588,6 +592,10 @@ class NetnsChaosRun:
             slot.launcher = None
             self._restart(slot, self._spares.pop(0), fault.rejoin_after)
             return "ok"
+        if kind in ("host_returns", "etcd_partition") and self._worker(slot) is None:
+            # A node that has not joined yet is still probing etcd at start-up: cut off then,
+            # it stops at once naming the endpoints (exit 3), as it must when they are wrong.
+            return "the node never joined the job"
         if kind == "host_returns":
             cluster.cut_link(slot.host)
             time.sleep(fault.duration)
