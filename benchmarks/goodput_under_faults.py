@@ -26,9 +26,21 @@ restarts hang, pytorch#135712) and the same short rendezvous timeouts. Its c10d 
 the first agent, whose loss ends the job, so faults hit the other two slots only, under both
 launchers (the same schedule). Prints one Markdown table; ``--json`` writes the numbers.
 
+``--fault silent-host`` runs the same job on a cluster of network namespaces instead
+(``tests/support/netns.py``: each node in a namespace of its own with its own address, etcd
+in another) and, every ``--period`` seconds, cuts a node's link on the switch for good (a
+host that dies without a word: no reset, no answer), then starts a replacement node in a
+fresh namespace ``--rejoin`` seconds later (the dark host's processes are killed then,
+unseen, as a reclaimed VM's would be). torchrun there needs ``is_host=1`` on the rendezvous
+host, ``--local-addr`` and ``GLOO_SOCKET_IFNAME``; elastic-run needs nothing more. Its goal
+(issue 14): goodput >= 0.90 in place. It needs root, ``ip`` and ``nft``; elsewhere it prints
+one line saying why and exits 0 with ``{"skipped": reason}`` as its JSON.
+
 Usage::
 
     python benchmarks/goodput_under_faults.py [--duration 300] [--period 30] [--json out.json]
+    sudo python benchmarks/goodput_under_faults.py --fault silent-host \
+        --launchers elastic-run-inplace,torchrun [--duration 300] [--json out.json]
 
 The duration is 5 minutes by default: start-up and shut-down (importing torch in every agent and
 worker, the first rendezvous) cost the same few seconds to every launcher, and a training job
@@ -85,8 +97,9 @@ def worker_main(args: argparse.Namespace) -> int:
     manager = CheckpointManager(args.ckpt, process_group=ctx.checkpoint_group, round=ctx.round)
     progress = Path(args.progress)
     # Written for both modes: in place (elastic-run --elastic-mode inplace) the step body runs
-    # in loop.step_guard(), DDP comes from loop.data_parallel() and the loader is rebuilt
-    # when the world changes; in restart mode those are no-ops.
+    # in loop.step_guard(), DDP comes from loop.data_parallel() and the loader's batch
+    # sampler follows every world (48 samples split unevenly over 2 ranks); in restart mode
+    # those are no-ops.
     loader: DataLoader[Any] | None = None
     with elastic.ElasticLoop(ctx, state={"train": ModelOptimizerState(model, optimizer)},
                              checkpoint=manager, sampler=sampler, max_steps=args.steps,
@@ -95,9 +108,8 @@ def worker_main(args: argparse.Namespace) -> int:
         for step in loop:
             began = time.monotonic()
             with loop.step_guard():
-                if loader is None or loader.batch_size != loop.micro_batch_size:
-                    loader = DataLoader(dataset, batch_size=loop.micro_batch_size,
-                                        sampler=sampler)
+                if loader is None:  # one loader: its batch sampler follows every world
+                    loader = DataLoader(dataset, batch_sampler=loop.batch_sampler())
                 ddp = loop.data_parallel(model)
                 for xb, yb in loop.micro_batches(loader, ddp):
                     loop.scale_loss(nn.functional.mse_loss(ddp(xb), yb)).backward()
@@ -198,6 +210,16 @@ class Job:
         self.procs.append(proc)
         self.slots[slot] = proc
 
+    def inject(self, slot: int, steps: int) -> None:
+        """One fault: the slot's node loses its whole process tree; a new one takes the slot
+        ``--rejoin`` seconds later."""
+        victim = self.slots[slot]
+        assert victim is not None
+        _kill_tree(victim)
+        victim.wait()
+        time.sleep(self.args.rejoin)
+        self.start(slot, steps)
+
     def progress(self) -> list[tuple[float, int, int]]:
         path = self.root / "progress.txt"
         rows = []
@@ -227,13 +249,8 @@ class Job:
         while time.monotonic() - first < duration:
             if faults and time.monotonic() >= fault_at:
                 slot = 1 + count % (NODES - 1)  # never the c10d store host (slot 0)
-                victim = self.slots[slot]
-                assert victim is not None
-                _kill_tree(victim)
-                victim.wait()
+                self.inject(slot, steps)
                 count += 1
-                time.sleep(self.args.rejoin)
-                self.start(slot, steps)
                 fault_at += self.args.period
             time.sleep(0.05)
         for proc in self.procs:
@@ -257,6 +274,62 @@ class Job:
         return wall, last[1] + 1
 
 
+class NetnsJob(Job):
+    """The same job on a cluster of network namespaces, losing silent hosts (see the module
+    docstring). ``NODES`` namespaces start the job; one spare per fault takes a lost slot."""
+
+    def __init__(self, launcher: str, root: Path, args: argparse.Namespace,
+                 faults: int) -> None:
+        from tests.support.netns import NetnsCluster
+
+        self.cluster = NetnsCluster(nodes=NODES + faults, etcd_members=1).start()
+        super().__init__(launcher, root, args, self.cluster.etcd_endpoints)
+        self.hosts = list(self.cluster.nodes[:NODES])
+        self.spares = list(self.cluster.nodes[NODES:])
+        self.env.pop("GLOO_SOCKET_IFNAME", None)  # elastic-run finds its interface itself
+
+    def _argv(self, steps: int, slot: int = 0) -> list[str]:
+        argv = super()._argv(steps)
+        if self.launcher != "torchrun":
+            return argv
+        # torchrun on such hosts: the rendezvous host's address, is_host=1 there (it cannot
+        # recognise itself), and the node's own address to advertise.
+        host, rdzv = self.hosts[slot], self.hosts[0]
+        at = argv.index("--rdzv-endpoint")
+        argv[at + 1] = f"{rdzv.address}:29400"
+        conf = argv.index("--rdzv-conf")
+        argv[conf + 1] += ",is_host=1" if host is rdzv else ""
+        return [*argv[:at], "--local-addr", host.address, *argv[at:]]
+
+    def start(self, slot: int, steps: int) -> None:
+        host = self.hosts[slot]
+        env = dict(self.env)
+        if self.launcher == "torchrun":
+            env["GLOO_SOCKET_IFNAME"] = host.ifname
+        log = open(self.root / f"agent{len(self.procs)}.log", "wb")  # noqa: SIM115 - kept open
+        proc = host.popen(self._argv(steps, slot), env=env, cwd=REPO, stdout=log,
+                          stderr=subprocess.STDOUT)
+        self.procs.append(proc)
+        self.slots[slot] = proc
+
+    def inject(self, slot: int, steps: int) -> None:
+        """One fault: the slot's host goes silent for good; a replacement node starts in a
+        fresh namespace ``--rejoin`` seconds later, and the dark host's processes are killed
+        (nobody can see it: every frame to or from it is dropped)."""
+        lost = self.hosts[slot]
+        self.cluster.cut_link(lost)
+        time.sleep(self.args.rejoin)
+        self.hosts[slot] = self.spares.pop(0)
+        self.start(slot, steps)
+        lost.kill_all()
+
+    def run(self, duration: float, faults: bool, steps: int = 1_000_000) -> tuple[float, int]:
+        try:
+            return super().run(duration, faults, steps)
+        finally:
+            self.cluster.close()
+
+
 def _reported(events: Path) -> dict[str, Any]:
     done = subprocess.run([sys.executable, "-m", "launch.goodput", str(events), "--json"],
                           capture_output=True, text=True, cwd=REPO, timeout=120, check=True)
@@ -266,12 +339,16 @@ def _reported(events: Path) -> dict[str, Any]:
 
 def measure(launcher: str, root: Path, args: argparse.Namespace, etcd: str | None) -> Run:
     # Undisturbed step time of this launcher: a fault-free run of the same job.
-    calm = Job(launcher, root / f"{launcher}-calm", args, etcd)
+    silent = args.fault == "silent-host"
+    calm = NetnsJob(launcher, root / f"{launcher}-calm", args, 0) if silent \
+        else Job(launcher, root / f"{launcher}-calm", args, etcd)
     calm.run(args.calm, faults=False)
     rows = calm.progress()
     times = sorted(t for t, _, _ in rows)
     step_time = (times[-1] - times[len(times) // 5]) / max(1, len(times) - 1 - len(times) // 5)
-    job = Job(launcher, root / launcher, args, etcd)
+    faults = int(args.duration // args.period) + 1
+    job = NetnsJob(launcher, root / launcher, args, faults) if silent \
+        else Job(launcher, root / launcher, args, etcd)
     wall, steps = job.run(args.duration, faults=True)
     training = job.training_s + step_time  # the first step's own time too
     result = Run(launcher=launcher, faults=job.faults, wall_s=round(wall, 1), steps=steps,
@@ -296,10 +373,13 @@ def measure(launcher: str, root: Path, args: argparse.Namespace, etcd: str | Non
 
 
 def table(runs: list[Run], args: argparse.Namespace) -> str:
+    fault = (f"a silent host loss every {args.period:g} s (a node's link cut for good, on a "
+             f"cluster of network namespaces), a replacement node {args.rejoin:g} s later"
+             if args.fault == "silent-host" else
+             f"a node killed every {args.period:g} s and replaced {args.rejoin:g} s later")
     lines = [
-        f"Goodput, 3 nodes (CPU, gloo), a node killed every {args.period:g} s and replaced "
-        f"{args.rejoin:g} s later, {args.duration:g} s of training after the first step, "
-        f"step {args.step_time:g} s, checkpoint every {args.interval} steps:",
+        f"Goodput, 3 nodes (CPU, gloo), {fault}, {args.duration:g} s of training after the "
+        f"first step, step {args.step_time:g} s, checkpoint every {args.interval} steps:",
         "",
         "| launcher | faults | wall s | steps | undisturbed step s | goodput, stopwatch "
         "| goodput, elastic-run report | training goodput, stopwatch | training goodput, "
@@ -346,18 +426,38 @@ def main() -> int:
                              "elastic-run (restart mode), torchrun")
     parser.add_argument("--elastic-run-arg", action="append", default=[],
                         help="extra elastic-run flag (repeat), e.g. --elastic-run-arg=--x")
+    parser.add_argument("--fault", choices=("node-kill", "silent-host"), default="node-kill",
+                        help="node-kill: a node's process tree SIGKILLed on 127.0.0.1 "
+                        "(default); silent-host: a node's link cut for good on a cluster of "
+                        "network namespaces (needs root)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     if args.worker:
         return worker_main(args)
-    from launch.etcd_server import EmbeddedEtcd
-
     root = Path(tempfile.mkdtemp(prefix="goodput-bench-"))
-    print(f"work directory {root}", file=sys.stderr, flush=True)
     runs = []
-    with EmbeddedEtcd() as etcd:
+    if args.fault == "silent-host":
+        if str(REPO) not in sys.path:
+            sys.path.insert(0, str(REPO))  # tests.support: the namespace cluster
+        from tests.support.netns import netns_unavailable
+
+        reason = netns_unavailable()
+        if reason is not None:
+            print(f"goodput_under_faults: skipped: --fault silent-host runs on network "
+                  f"namespaces, and {reason}", file=sys.stderr)
+            if args.json is not None:
+                args.json.write_text(json.dumps({"skipped": reason}))
+            return 0
+        print(f"work directory {root}", file=sys.stderr, flush=True)
         for launcher in args.launchers.split(","):
-            runs.append(measure(launcher, root, args, etcd.endpoint))
+            runs.append(measure(launcher, root, args, None))
+    else:
+        from launch.etcd_server import EmbeddedEtcd
+
+        print(f"work directory {root}", file=sys.stderr, flush=True)
+        with EmbeddedEtcd() as etcd:
+            for launcher in args.launchers.split(","):
+                runs.append(measure(launcher, root, args, etcd.endpoint))
     text = table(runs, args)
     print(text)
     if args.json is not None:

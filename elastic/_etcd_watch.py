@@ -5,7 +5,8 @@ follows a watch stream from the snapshot's revision on a daemon thread. When the
 (etcd restarted, an endpoint died, the stream sat idle) it reconnects to the next endpoint and
 resumes from the last revision it saw, so no event is lost; if that revision has been compacted
 away it reads a fresh snapshot and reports the difference as events. Reconnecting gives up only
-after the client's deadline of continuous failure, and then says so (:attr:`PrefixWatch.failed`).
+after the client's deadline of continuous failure, and then says so (:attr:`PrefixWatch.failed`);
+:meth:`PrefixWatch.resume` follows again once etcd answers.
 
 :func:`wait_for_keys` blocks until keys exist, woken by a watch rather than by polling.
 """
@@ -246,6 +247,32 @@ class PrefixWatch:
                 lambda: predicate(self._mirror) or self.failed.is_set(),
                 timeout.total_seconds(),
             ) and predicate(self._mirror)
+
+    def resume(self) -> None:
+        """Follows again after :attr:`failed` was set (etcd answers again).
+
+        Reads a fresh snapshot (reported to ``on_change`` as the difference from the mirror,
+        like a resync after compaction), clears :attr:`failed` and starts a new thread. A
+        no-op while the watch has not failed.
+
+        Raises:
+            EtcdUnavailableError: If the snapshot cannot be read within the client's deadline
+                (the watch stays failed).
+            RuntimeError: If the watch was cancelled.
+        """
+        if self._stop.is_set():
+            raise RuntimeError(f"{self!r} was cancelled; it cannot resume.")
+        if not self.failed.is_set():
+            return
+        self._thread.join(timeout=5.0)  # it returns right after setting ``failed``
+        self._resync()
+        with self._cond:
+            self.failed.clear()
+            self.error = None
+        self._thread = threading.Thread(target=self._run, name=f"etcd-watch:{self._prefix}",
+                                        daemon=True)
+        self._thread.start()
+        logger.info("watch of %s resumed at revision %d", self._prefix, self.revision)
 
     def cancel(self) -> None:
         """Stops the watch thread (at once; it is a daemon either way)."""

@@ -27,6 +27,11 @@ What happens when:
 * **The node's lease is lost** (a partition from etcd longer than the TTL). The others have
   dropped the node; its workers are stopped (they must not train in a stale world or commit
   a checkpoint) and the node joins again under a new id once etcd answers.
+* **etcd is unreachable for the etcd deadline.** If this node's workers trained on meanwhile,
+  etcd itself is gone for the whole job: the node stops, naming the endpoints (exit 3). If
+  they stopped training when the others must have dropped it, the node was cut off: it keeps
+  trying to reach etcd (up to ``join_timeout``), then joins again or ends with the run's
+  outcome if the run ended meanwhile (:mod:`launch.cutoff`).
 * **A preemption notice.** In place, the node announces it is departing; the leader writes
   a world without it (marked *departed*, a planned change), the node's workers leave at the
   next step boundary, and the survivors go on without restarting or reading storage. In
@@ -61,6 +66,7 @@ from elastic.rdzv.records import EndRecord, NodeRecord, WorkerSlot, WorldRecord,
 from elastic_errors import EtcdUnavailableError
 from launch.budget import CrashBudget
 from launch.channel import ChannelServer, WorkerConnection
+from launch.cutoff import Reconnect, cut_off, ended_while_away, peers_answer
 from launch.slots import SlotProcess, WorkerCommand, stop_all
 from launch.stores import StorePool
 
@@ -217,6 +223,10 @@ class NodeAgent:
         self._stop_since: float | None = None
         self._said_done = False
         self._change_reason = "start"
+        #: ``time.monotonic()`` when a worker last reported a new step (``None``: never).
+        self._progress_at: float | None = None
+        #: Following the run again after the watch gave up (this node was cut off).
+        self._reconnect: Reconnect | None = None
         #: Worlds this node took part in (epochs), for tests and the report.
         self.epochs: list[int] = []
         #: When the agent's process started (the event log's origin), set by the runner.
@@ -272,6 +282,11 @@ class NodeAgent:
         """Writes this node's record if anything changed (one put)."""
         run = self._run
         if run is None or self._lease_lost.is_set():
+            return
+        if run.view.watch.failed.is_set():
+            # etcd has not answered for the etcd deadline: a put would wait out another
+            # deadline and delay the main loop's decision (stop, or ride out a cut); the
+            # record is written again once the run is followed again.
             return
         record = self._record()
         try:
@@ -343,7 +358,10 @@ class NodeAgent:
             if kind in ("ready", "declare") and isinstance(message.get("max_world"), int):
                 self._max_world = int(message["max_world"])
             if kind == "progress":
-                slot.step = int(message.get("step", slot.step))
+                step = int(message.get("step", slot.step))
+                if step != slot.step:
+                    self._progress_at = time.monotonic()
+                slot.step = step
                 publish = self._clear_failure_past(slot.step)
             elif kind == "waiting":
                 slot.waiting = {"epoch": int(message["epoch"]), "step": int(message["step"])}
@@ -488,9 +506,10 @@ class NodeAgent:
     def _tick(self) -> AgentOutcome | None:
         run = self._run
         assert run is not None
-        if run.view.watch.failed.is_set():
-            error = run.view.watch.error
-            raise error if error is not None else EtcdUnavailableError("etcd watch failed")
+        if run.view.watch.failed.is_set() or self._reconnect is not None:
+            outcome = self._while_cut_off(run)
+            if outcome is not None:
+                return outcome
         end = run.view.end()
         if end is not None:
             return self._finish(end)
@@ -520,6 +539,64 @@ class NodeAgent:
         return self._check_join_timeout(run)
 
     # -- membership -------------------------------------------------------------------------
+
+    def _while_cut_off(self, run: RunMembership) -> AgentOutcome | None:
+        """etcd could not be watched for the etcd deadline: stop on a job-wide outage, or
+        ride out a cut (see :mod:`launch.cutoff`); returns the outcome if the run ended
+        meanwhile.
+
+        Raises:
+            EtcdUnavailableError: On a job-wide outage, or when etcd stayed unreachable for
+                ``join_timeout`` seconds.
+        """
+        reconnect = self._reconnect
+        if reconnect is None and _etcd_answers(run):
+            # The main loop can be late here (a put of this node's record waits out the
+            # deadline too): if etcd answers by now there is no outage to report, and the
+            # evidence below (peers answering again) would be stale.
+            logger.warning("etcd's watch gave up after the etcd deadline, but etcd answers "
+                           "again: following the run again")
+            self._reconnect = Reconnect(run, give_up_after=self.config.join_timeout)
+            return None
+        if reconnect is None:
+            lease = run.node.lease
+            refreshed = lease.last_refreshed if lease is not None else None
+            answering = None
+            if self._progress_at is None or refreshed is None:
+                world = run.world()
+                answering = peers_answer([(m.addr, m.probe_port) for m in (
+                    world.members if world is not None else ())
+                    if m.node != self._node and m.probe_port])
+            if not cut_off(self._progress_at, refreshed, self.config.ttl, answering):
+                error = run.view.watch.error
+                raise error if error is not None else EtcdUnavailableError("etcd watch failed")
+            logger.warning(
+                "etcd (%s) has not answered for the etcd deadline, and %s: this node is cut "
+                "off from the job, not witnessing an etcd outage; it keeps trying to reach "
+                "etcd for up to %.0f s (join_timeout)", run.client.endpoints_text,
+                "no other node answers" if answering is False else "this node's workers "
+                "stopped training when the others must have dropped it",
+                self.config.join_timeout)
+            self._reconnect = Reconnect(run, give_up_after=self.config.join_timeout)
+            return None
+        if not reconnect.done.is_set():
+            return None
+        self._reconnect = None
+        if reconnect.error is not None:
+            raise EtcdUnavailableError(
+                f"etcd ({run.client.endpoints_text}) could not be reached for "
+                f"{self.config.join_timeout:.0f} s after this node was cut off from the job "
+                f"(last error: {reconnect.error}); check the network between this node and "
+                "etcd.")
+        logger.info("etcd answers again: following the run again")
+        if run.view.end() is not None:
+            return None  # the run's end record is still there: _tick finishes with it
+        ended = ended_while_away(reconnect.generation, run.keys.generation)
+        if ended is None:
+            return None  # the run goes on: a lost lease makes this node join again
+        code, outcome, message = ended
+        logger.warning("%s", message)
+        return AgentOutcome(code, outcome, message)
 
     def _check_lease(self, run: RunMembership) -> None:
         """Tells the workers whether they may commit, and rejoins after a confirmed loss.
@@ -554,6 +631,7 @@ class NodeAgent:
             time.sleep(_RETRY_REJOIN_S)
             return
         self._lease_lost.clear()
+        self._no_world_since = time.monotonic()
         logger.info("joined again as node %s", self._node)
 
     def _follow_world(self, run: RunMembership) -> None:
@@ -1078,6 +1156,8 @@ class NodeAgent:
 
     def _shutdown(self) -> None:
         self._kill_all()
+        if self._reconnect is not None:
+            self._reconnect.stop()
         run = self._run
         if run is not None:
             with contextlib.suppress(Exception):
@@ -1085,6 +1165,15 @@ class NodeAgent:
         self._channel.close()
         self._liveness.close()
         self._stores.close()
+
+
+def _etcd_answers(run: RunMembership) -> bool:
+    """Whether etcd answers right now (one quick status call, about 2 s at most)."""
+    try:
+        run.client.call("/v3/maintenance/status", {}, deadline=timedelta(seconds=2))
+    except EtcdUnavailableError:
+        return False
+    return True
 
 
 def _cause_of(world: WorldRecord, previous: WorldRecord | None) -> str | None:

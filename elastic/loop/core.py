@@ -82,6 +82,8 @@ __all__ = ["ElasticLoop"]
 
 logger = logging.getLogger(__name__)
 
+#: Restart mode: the agent hears of a completed step at most this often (see end_step).
+_PROGRESS_EVERY_S = 0.5
 
 class ElasticLoop(MicroBatching, ManagedWay, InPlaceHooks, StepAgreement, LoopReporting):
     """Drives the steps of an elastic job (see the module docstring for both ways).
@@ -224,6 +226,7 @@ class ElasticLoop(MicroBatching, ManagedWay, InPlaceHooks, StepAgreement, LoopRe
         self._loader: Iterable[Any] | None = None
         self._batches_generation = ctx.generation if ctx is not None else 0
         self._step_started: float | None = None
+        self._progress_told = 0.0  # when the agent last heard of a step (restart mode)
         self._micro: tuple[int, int] = (0, 1)  # the step's current micro-batch: index, count
         self._micro_size = self.plan.micro_batch_size  # its samples
         self._audit = SampleAudit.from_env() if managed else None
@@ -395,6 +398,11 @@ class ElasticLoop(MicroBatching, ManagedWay, InPlaceHooks, StepAgreement, LoopRe
             compute = max(0.0, time.monotonic() - started - self.saves.blocked_s)
             if self._inplace is not None:
                 self._inplace.step_completed(self.step - 1, compute)
+            elif time.monotonic() - self._progress_told >= _PROGRESS_EVERY_S:
+                # The agent tells a node cut off from the job from a job-wide etcd outage by
+                # whether its workers still train (in place the controller reports steps).
+                self._progress_told = time.monotonic()
+                tell_agent("progress", step=self.step)
             # The step's compute and its agreement; checkpoint stalls are their own events.
             self._record("step", round=self._round, step=self.step - 1,
                          duration_s=round(compute, 4),

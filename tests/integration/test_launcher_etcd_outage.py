@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.launcher_scripts.harness import cluster
+from tests.integration.launcher_scripts.harness import FAST_RDZV_CONF, cluster, wait_until
 
 pytestmark = [pytest.mark.etcd, pytest.mark.slow]
 pytest.importorskip("elastic.rendezvous", reason="elastic.rendezvous has not landed yet")
@@ -67,6 +67,44 @@ def test_etcd_down_past_the_deadline_stops_the_job_naming_the_endpoints(
         assert all(code == 3 for code in codes), c.logs()
         for agent in agents:
             assert endpoint in agent.output().split("elastic-run: error:")[-1], c.logs()
+
+
+def test_an_inplace_job_whose_workers_train_on_stops_too_past_the_deadline(
+    tmp_path: Path, own_etcd: object
+) -> None:
+    # A node that loses etcd for the deadline tells an outage from a cut by its workers: these
+    # trained on through the outage (their collectives need no etcd), so etcd is gone for the
+    # whole job (exit 3), not this node cut off from it (it would keep trying to rejoin).
+    from tests.integration.training.inplace_audit import read_audit
+    from tests.support.netns_job import inplace_worker_args
+
+    server = own_etcd
+    endpoint = server.endpoint  # type: ignore[attr-defined]
+    root = tmp_path / "job"
+    with cluster(tmp_path, endpoint, f"outage-{uuid.uuid4().hex[:8]}") as c:
+        wargs = inplace_worker_args(root, steps=100_000, step_time=0.05)
+        # A 10 s etcd deadline (30 s by default) keeps the test short; what it proves holds
+        # for any deadline longer than two lease TTLs.
+        agents = [c.start_elastic("--nnodes", "1:2", "--rdzv-conf",
+                                  f"{FAST_RDZV_CONF},deadline=10", worker_args=wargs)
+                  for _ in range(2)]
+
+        def trained_in_a_world_of_2() -> bool:
+            audit = read_audit(root / "audit")
+            sizes = {int(g["gen"]): int(g["world"]) for g in audit.gens}
+            return sum(sizes.get(int(d["gen"])) == 2 for d in audit.done) >= 10
+
+        wait_until(trained_in_a_world_of_2, 90, "steps in a world of 2",
+                   give_up=c.all_exited)
+        server.kill()  # type: ignore[attr-defined]
+        killed_at = time.time()
+        codes = [a.wait(90) for a in agents]
+        assert all(code == 3 for code in codes), c.logs()
+        for agent in agents:
+            assert endpoint in agent.output().split("elastic-run: error:")[-1], c.logs()
+            assert "cut off from the job" not in agent.output(), c.logs()
+        late = [d for d in read_audit(root / "audit").done if float(d["t"]) > killed_at + 8]
+        assert late, "the workers did not train on through the outage"
 
 
 def test_a_three_member_etcd_cluster_loses_a_member_with_no_visible_effect(

@@ -127,3 +127,32 @@ def test_client_fails_over_to_the_next_endpoint(etcd_server: Any) -> None:
                                    request_timeout=timedelta(seconds=1)))
     client.put("/failover", b"ok")
     assert client.get("/failover") is not None
+
+
+def test_a_failed_watch_resumes_once_etcd_answers_and_reports_what_changed(tmp_path: Any) -> None:
+    with EmbeddedEtcd(data_dir=str(tmp_path / "data")) as server:
+        writer = _client(server.endpoint, deadline=20)
+        writer.put("/w/gone", b"1")
+        writer.put("/w/kept", b"1")
+        seen: list[tuple[str, str]] = []
+        watch = _client(server.endpoint, deadline=1.0).watch_prefix(
+            "/w/", on_change=lambda events: seen.extend((e.type, e.key) for e in events))
+        watch.resume()  # not failed: a no-op
+        server.kill()
+        assert watch.failed.wait(30), "the watch never gave up"
+        assert watch.error is not None
+        with pytest.raises(EtcdUnavailableError):
+            watch.resume()  # etcd is still down: the watch stays failed
+        assert watch.failed.is_set()
+        server.start()
+        writer.delete("/w/gone")
+        writer.put("/w/new", b"2")
+        watch.resume()
+        assert not watch.failed.is_set() and watch.error is None
+        assert set(watch.items()) == {"/w/kept", "/w/new"}
+        assert ("DELETE", "/w/gone") in seen and ("PUT", "/w/new") in seen
+        writer.put("/w/later", b"3")  # followed again by the new thread
+        assert watch.wait_for(lambda mirror: "/w/later" in mirror, timedelta(seconds=10))
+        watch.cancel()
+        with pytest.raises(RuntimeError, match=r"was cancelled; it cannot resume\.$"):
+            watch.resume()

@@ -12,8 +12,9 @@ survivors are the workers of the nodes it did not hit; a gate file holds the job
 faults until a returning node's new worker is in the world):
 
 * **hosts** (3 nodes, ``--min-nodes 2 --max-nodes 3``): a node's link is cut and restored
-  (host returns), the rank-0 node is cut from etcd only and healed, then a node's link is cut
-  for good (silent host) and the other two finish;
+  (host returns), the rank-0 node is cut from etcd only and healed, a node's link is cut for
+  longer than the etcd deadline and restored (it rejoins: cut off, not an etcd outage), then
+  a node's link is cut for good (silent host) and the other two finish;
 * **workers** (2 nodes, ``--min-nodes 1 --max-nodes 2``): a worker is SIGSTOPped (its agent
   replaces it at the heartbeat TTL), its replacement hangs live before its step's collective
   (the progress rule evicts it), then the node's whole process tree is SIGKILLed (the
@@ -65,9 +66,11 @@ from tests.support.netns_job import (
 from tests.support.netns_pytest import new_cluster, require_netns
 
 pytestmark = [pytest.mark.netns, pytest.mark.slow, pytest.mark.etcd,
-              pytest.mark.timeout(420)]
+              pytest.mark.timeout(480)]
 
-STEPS, STEP_TIME, WARM_UP = 120, 0.05, 8
+STEPS, STEP_TIME, WARM_UP = 150, 0.05, 8
+#: Longer than the agents' etcd deadline (30 s) plus the watch's idle reconnect (10 s).
+LONG_CUT_S = 42.0
 WAIT = 150.0
 
 
@@ -216,6 +219,26 @@ def hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
         job.wait_world(3, cut_off.gen, "the partitioned node's new worker in a world of 3",
                        lambda pids: bool(pids - cut_off.survivors - cut_off.hit))
 
+        # A host is cut for longer than the etcd deadline: its agent's watch gives up, but its
+        # worker stopped training when the others dropped it, so it is cut off, not witnessing
+        # an etcd outage: it keeps trying, and rejoins once its link is back.
+        job.run_ahead(20, STEPS)
+        away = job.node_of_rank(2)
+        run.facts["long cut"] = away
+        (away_agent,) = job.on(away)
+        long_cut = run.faults["long cut"] = job.fault("long cut", away,
+                                                      lambda: cluster.cut_link(away))
+        job.wait_moved_on(long_cut, WAIT)
+        deadline = time.monotonic() + LONG_CUT_S + 30
+        while not log_lines(away_agent.output(), "this node is cut off from the job") \
+                and away_agent.returncode is None and time.monotonic() < deadline:
+            time.sleep(0.5)
+        run.facts["long cut s"] = time.time() - long_cut.t
+        job.run_ahead(2, STEPS)
+        cluster.restore_link(away)
+        job.wait_world(3, long_cut.gen, "the long-cut node's new worker in a world of 3",
+                       lambda pids: bool(pids - long_cut.survivors - long_cut.hit))
+
         # A host goes silent for good (rank 0's: the first survivor of the last change): the
         # other two finish the job.
         job.open_gate(STEPS)
@@ -304,6 +327,29 @@ def test_a_silent_host_costs_the_survivors_its_lease_not_a_collective_timeout(
     for survivor in hosts.agents:
         if survivor.host is not hosts.facts["silent"]:
             assert _aborted_on_membership(survivor), survivor.output()[-3000:]
+
+
+def test_a_host_cut_for_longer_than_the_etcd_deadline_rejoins_instead_of_failing(
+    hosts: Run,
+) -> None:
+    # Its watch of etcd gave up after the etcd deadline, as on an etcd outage; but its worker
+    # had stopped training when the others dropped it, so the agent knew it was cut off: it
+    # kept trying to reach etcd, and when its link came back it joined again as a new node
+    # (exit 0 with the others at the end, checked with the job's outcome) instead of ending
+    # with exit 3.
+    _print_stall(hosts, "long cut")
+    _check_never_stale(hosts, "long cut")
+    fault = hosts.faults["long cut"]
+    print(f"[netns] the long cut lasted {hosts.facts['long cut s']:.1f} s")
+    (agent,) = hosts.job.on(hosts.facts["long cut"])
+    log = agent.output()
+    cut_off = log_lines(log, "this node is cut off from the job")
+    assert cut_off, log[-4000:]
+    assert log_lines(log.split(cut_off[0], 1)[1], "joined again as node"), log[-4000:]
+    assert "elastic-run: error" not in log, log[-4000:]
+    assert agent.returncode in (None, 0), log[-4000:]
+    newcomers = {int(g["pid"]) for g in hosts.audit().gens} - fault.survivors - fault.hit
+    assert newcomers
 
 
 def test_hosts_nothing_of_the_cluster_is_left(hosts: Run) -> None:
