@@ -965,7 +965,7 @@ class NodeAgent:
             delay = charged
             self._restarts += 1
         if cause != "stopped":
-            self._note_failure(report)
+            self._note_failure(report, own=cause == "crash")
             logger.warning("worker %s failed (exit code %s, %s: %s); restarting %s in %.1f s",
                            slot.local_id, code, cause, report.get("error", "no report"),
                            "it in place" if in_place else "this node's workers", delay)
@@ -989,16 +989,21 @@ class NodeAgent:
             each.restart_at = now + delay
         return True
 
-    def _note_failure(self, report: Mapping[str, Any]) -> None:
+    def _note_failure(self, report: Mapping[str, Any], *, own: bool = True) -> None:
+        """Keeps the last error this node's workers died of for the leader's "script bug"
+        rule (:func:`~elastic.rdzv.proposal.common_failure`). ``own`` is False for a worker
+        that died of a peer's failure: survivors of one dead peer all report the same error
+        text (naming that peer), which alone is no evidence of a bug in the script."""
         error = report.get("error")
         if not error:
             return
         step = int(report.get("step", -1))
         note = self._failure_note
         if note is not None and note.get("error") == error and note.get("step") == step:
-            self._failure_note = {**note, "count": int(note.get("count", 1)) + 1}
+            self._failure_note = {**note, "count": int(note.get("count", 1)) + 1,
+                                  "own": bool(note.get("own", True)) or own}
         else:
-            self._failure_note = {"step": step, "error": str(error), "count": 1}
+            self._failure_note = {"step": step, "error": str(error), "count": 1, "own": own}
 
     def _start_due(self) -> None:
         """Starts (in place) or re-publishes (restart mode) slots whose backoff is over."""

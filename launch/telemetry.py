@@ -45,6 +45,20 @@ _POLL_S: Final = 0.05
 _RCVBUF: Final = 4 << 20
 
 
+#: A Unix socket's path must fit ``sun_path`` (108 bytes on Linux, with its NUL).
+_MAX_SOCKET_PATH = 100
+
+
+def _socket_parent() -> str | None:
+    """Where the socket's private directory goes: the temporary directory, unless its path
+    is too long for a Unix socket (a deep ``TMPDIR``), then ``/tmp``."""
+    base = tempfile.gettempdir()
+    longest = os.path.join(base, "elastic-telemetry-" + "x" * 8, SOCKET_NAME)
+    if len(os.fsencode(longest)) <= _MAX_SOCKET_PATH:
+        return None
+    return "/tmp"
+
+
 class TelemetryReceiver:
     """Receives worker records on a Unix datagram socket and passes them to ``deliver``.
 
@@ -78,7 +92,8 @@ class TelemetryReceiver:
 
     def start(self) -> TelemetryReceiver:
         """Binds the socket and starts the receiver thread."""
-        self._dir = tempfile.mkdtemp(prefix="elastic-telemetry-")  # mode 0700
+        self._dir = tempfile.mkdtemp(prefix="elastic-telemetry-",  # mode 0700
+                                     dir=_socket_parent())
         atexit.register(shutil.rmtree, self._dir, ignore_errors=True)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         with contextlib.suppress(OSError):  # capped by net.core.rmem_max: best effort

@@ -13,9 +13,10 @@ import logging
 import secrets
 import socket
 import struct
+import threading
 import urllib.parse
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Final
 
 from elastic.etcd import EtcdClient
 from elastic.rdzv.generation import DEFAULT_LINGER_S, end_run
@@ -29,6 +30,9 @@ from elastic_errors import ConfigError
 __all__ = ["RunMembership", "interface_of", "new_node_id", "registered_address"]
 
 logger = logging.getLogger(__name__)
+
+#: How often a node checks that its record still holds what it wrote.
+RECORD_CHECK_S: Final = 5.0
 
 
 def new_node_id(host: str | None = None) -> str:
@@ -151,11 +155,22 @@ class RunMembership:
         self.node = NodeMembership(client, keys, ttl=ttl, on_lost=on_lease_lost)
         self.view = JobView(client, keys, on_change=on_change)
         self.leader = LeaderLoop(client, keys, self.node, self.view, limits, self.end)
+        self._stopped = threading.Event()
+        self._repairs = threading.Thread(target=self._repair_records, daemon=True,
+                                         name="elastic-record-repair")
 
     def join(self, record: NodeRecord) -> None:
         """Publishes this node and starts campaigning for leadership."""
         self.node.join(record)
         self.leader.start()
+        self._repairs.start()
+
+    def _repair_records(self) -> None:
+        """Every :data:`RECORD_CHECK_S`, puts this node's record back if someone overwrote
+        it (see :meth:`NodeMembership.repair`)."""
+        while not self._stopped.wait(RECORD_CHECK_S):
+            if not self.view.watch.failed.is_set() and self.node.repair():
+                self.leader.poke()
 
     def rejoin(self, record: NodeRecord) -> None:
         """Joins again under a new node id after the lease was lost (a new incarnation)."""
@@ -187,6 +202,7 @@ class RunMembership:
 
     def leave(self) -> None:
         """Stops leading, revokes the lease (the node record goes at once), stops watching."""
+        self._stopped.set()
         self.leader.stop()
         self.node.leave()
         self.view.close()

@@ -11,15 +11,21 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
-from typing import Any
+from datetime import timedelta
+from typing import Any, Final
 
+from elastic._etcd_wire import b64
 from elastic.etcd import EtcdClient, Lease
 from elastic.rdzv.keys import JobKeys
 from elastic.rdzv.records import NodeRecord
+from elastic_errors import EtcdUnavailableError
 
 __all__ = ["NodeMembership"]
 
 logger = logging.getLogger(__name__)
+
+#: How long :meth:`NodeMembership.repair` waits for etcd's answer.
+REPAIR_DEADLINE: Final = timedelta(seconds=2)
 
 
 class NodeMembership:
@@ -49,6 +55,7 @@ class NodeMembership:
         self._left = False
         #: Puts of this node's record so far (the cost of membership, counted by tests).
         self.writes = 0
+        self._written_at = 0  # the revision of this node's last put of its record
 
     @property
     def record(self) -> NodeRecord:
@@ -95,8 +102,42 @@ class NodeMembership:
 
     def _put(self, record: NodeRecord) -> None:
         assert self._lease is not None
-        self._client.put(self._keys.node(record.node), record.dumps(), lease=self._lease.id)
+        self._written_at = self._client.put(self._keys.node(record.node), record.dumps(),
+                                            lease=self._lease.id)
         self.writes += 1
+
+    def repair(self) -> bool:
+        """Writes the record again if its key no longer holds it; returns whether it did.
+
+        Only this node writes its key, but anyone who may write the job's keys can overwrite
+        it (the leader ignores a foreign value: the node would silently drop out of every
+        world). One read of the key's revision, answered within
+        :data:`REPAIR_DEADLINE`; a read that fails is left to the next check, and a lost
+        lease to the agent (it joins again as a new node).
+        """
+        if self._left or self._record is None or self._lease is None:
+            return False
+        key = self.key
+        try:
+            kvs = self._client.call("/v3/kv/range", {"key": b64(key), "keys_only": True},
+                                    deadline=REPAIR_DEADLINE).get("kvs", [])
+        except EtcdUnavailableError:
+            return False
+        if not kvs:
+            return False  # deleted: the lease decides (a peer that found this node dead)
+        revision = int(kvs[0].get("mod_revision", 0))
+        with self._lock:
+            # Equal: the key holds our record; older: a put of ours came after the read.
+            if (self._left or self._lease is None or revision <= self._written_at
+                    or not self._lease.fresh()):
+                return False
+            logger.warning("etcd key %s no longer holds this node's record (overwritten by "
+                           "someone else): writing it again", key)
+            try:
+                self._put(self._record)
+            except EtcdUnavailableError:
+                return False
+            return True
 
     def _lease_lost(self, lease: Lease) -> None:
         if self._left or lease is not self._lease:

@@ -159,10 +159,13 @@ def common_failure(nodes: Sequence[NodeRecord]) -> CommonFailure | None:
     trains past that step). It is the script's bug when every node that is not departing
     reports the same error at the same step, seen at least twice in all (two workers, or one
     worker twice): one crash of one worker is not evidence, it costs that node's crash
-    budget instead.
+    budget instead. At least one of the notes must be a worker's own failure (``own``, true
+    when absent): workers that all died of one dead peer report the same error too.
     """
     active = [n for n in nodes if n.departing is None and n.workers]
     if not active or any(n.failure is None for n in active):
+        return None
+    if not any(bool(n.failure.get("own", True)) for n in active if n.failure is not None):
         return None
     seen = {(int(n.failure.get("step", -1)), str(n.failure.get("error", "")))
             for n in active if n.failure is not None}

@@ -4,7 +4,7 @@ back), checked like every campaign run (weights, audit, last checkpoint, process
 
 The seed is fixed so that CI is reproducible, and long cuts are left out to keep it short;
 the release campaign (``python -m tests.chaos.campaign --mode inplace``, see
-``docs-snippets/chaos-inplace.md``) draws fresh seeds, every fault kind and long cuts. A
+``docs/chaos-inplace.md``) draws fresh seeds, every fault kind and long cuts. A
 failure prints the replay command.
 """
 

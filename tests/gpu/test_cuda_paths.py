@@ -4,7 +4,7 @@ aborting an NCCL communicator from another thread.
 Every test here needs CUDA and skips, with the reason, where ``torch.cuda.is_available()`` is
 false (CI and the CPU machines). One GPU cannot host two NCCL ranks, so the multi-rank tests
 run their ranks over gloo, which moves CUDA tensors (several processes share the GPU), and
-the NCCL test uses a world of one; ``docs-snippets/gpu.md`` says what that does and does not
+the NCCL test uses a world of one; ``docs/gpu.md`` says what that does and does not
 prove for multi-GPU NCCL. Run them with::
 
     python -m pytest -q -s tests/gpu

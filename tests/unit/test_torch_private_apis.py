@@ -3,7 +3,7 @@
 Each is reached through ``getattr`` with a fallback, or imported, at the place named in its
 message; if a torch upgrade renames one, this test fails loudly, naming the use and what
 breaks, instead of the fallback quietly costing a feature. The list, with the reason for
-each and whether a public alternative exists, is in ``docs-snippets/rendezvous.md``.
+each and whether a public alternative exists, is in ``docs/rendezvous.md``.
 """
 
 from __future__ import annotations

@@ -206,3 +206,21 @@ def test_after_everyone_restarts_the_next_world_waits_for_the_new_incarnations(
     full = wait_world(sims[0], lambda w: len(w.members) == 3)
     assert full.epoch == empty.epoch + 1
     assert sorted(w.split("/")[1] for w in full.ranks()) == ["0.1", "0.2", "0.2"]
+
+
+def test_a_node_writes_its_record_again_after_someone_overwrote_it(
+    etcd_server: object, keys: JobKeys, sims: list[Sim]
+) -> None:
+    a = Sim(etcd_server, keys, RunLimits(1, 2)).join()
+    sims.append(a)
+    key = keys.node(a.me)
+    assert not a.run.node.repair()  # the key holds what it wrote: nothing to do
+    a.client.put(key, b"\x80\x04 not a node record")
+    assert a.run.node.repair()
+    kv = a.client.get(key)
+    assert kv is not None and NodeRecord.loads(kv.value, key) == a.run.node.record
+    assert kv.lease == a.run.node.lease.id  # type: ignore[union-attr]
+    # A deleted record is left alone: a peer that found this node dead deleted it.
+    a.client.delete(key)
+    assert not a.run.node.repair()
+    assert a.client.get(key) is None

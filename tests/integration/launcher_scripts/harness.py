@@ -105,11 +105,12 @@ def kill(pids: list[int], sig: signal.Signals = signal.SIGKILL) -> None:
 class Agent:
     """One ``elastic-run`` (or torchrun) agent process."""
 
-    def __init__(self, argv: list[str], log: Path, env: dict[str, str]) -> None:
+    def __init__(self, argv: list[str], log: Path, env: dict[str, str],
+                 cwd: Path = REPO) -> None:
         self.log = log
         self._log_file = open(log, "wb")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(argv, stdout=self._log_file, stderr=subprocess.STDOUT,
-                                     env=env, cwd=REPO, start_new_session=True)
+                                     env=env, cwd=cwd, start_new_session=True)
 
     @property
     def pid(self) -> int:
@@ -163,9 +164,9 @@ class Cluster:
                 str(steps), "--step-time", str(step_time), *extra]
 
     def start(self, launcher_args: list[str], worker_args: list[str],
-              launcher: list[str] | None = None) -> Agent:
+              launcher: list[str] | None = None, cwd: Path = REPO) -> Agent:
         argv = [*(launcher or [sys.executable, "-m", "launch"]), *launcher_args, *worker_args]
-        agent = Agent(argv, self.tmp / f"agent{len(self.agents)}.log", self.env)
+        agent = Agent(argv, self.tmp / f"agent{len(self.agents)}.log", self.env, cwd)
         self.agents.append(agent)
         return agent
 

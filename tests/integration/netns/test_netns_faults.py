@@ -26,7 +26,7 @@ undisturbed run's within 1e-9, every step trained its global batch exactly once 
 a cut-off worker neither trained nor committed a checkpoint in its stale world, and nothing of
 a job's cluster is left. Each fault's test prints the survivors' measured stall: the time from
 the fault until every survivor completed a step in the next world, from their own step
-timestamps (see ``docs-snippets/silent-hosts.md``).
+timestamps (see ``docs/silent-hosts.md``).
 """
 
 from __future__ import annotations

@@ -108,6 +108,17 @@ def test_common_failure_needs_every_active_node_with_the_same_error_and_step() -
     assert common_failure([node("a", 1, failure={**bad, "count": 2})]) is not None
 
 
+def test_workers_that_all_died_of_one_dead_peer_are_no_script_bug() -> None:
+    # Survivors of one killed node report the same text, naming it: not a bug in the script.
+    peer = {"step": -1, "error": "RuntimeError: Connection closed by peer [127.0.0.1]:30644",
+            "count": 1, "own": False}
+    assert common_failure([node("a", 1, failure=peer), node("b", 2, failure=peer)]) is None
+    # One node that saw the same error as its own worker's crash makes it the script's.
+    own = {**peer, "own": True}
+    found = common_failure([node("a", 1, failure=peer), node("b", 2, failure=own)])
+    assert found is not None and found.error == peer["error"]
+
+
 def test_laggards_are_the_minority_everyone_else_waits_for() -> None:
     nodes = [node("a", 1), node("b", 2), node("c", 3)]
     world = propose(None, nodes)

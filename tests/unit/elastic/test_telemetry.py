@@ -170,3 +170,21 @@ def test_without_an_agent_only_durable_records_reach_the_directory(
     log.record("step", step=1, durable=False)
     log.record("step", step=2)
     assert [e["step"] for e in read_events(tmp_path)] == [2]
+
+
+def test_a_temporary_directory_too_deep_for_a_unix_socket_still_works(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import tempfile
+
+    deep = tmp_path / ("d" * 60) / ("e" * 60)
+    deep.mkdir(parents=True)
+    monkeypatch.setattr(tempfile, "tempdir", str(deep))
+    box = _Inbox()
+    receiver = TelemetryReceiver(box).start()
+    try:
+        assert len(receiver.path) <= 100 and str(deep) not in receiver.path
+        assert TelemetrySender(receiver.path).send({"event": "step", "step": 3}, durable=True)
+        assert [r["step"] for r, _ in box.wait_for(1)] == [3]
+    finally:
+        receiver.stop()
