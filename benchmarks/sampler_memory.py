@@ -24,7 +24,7 @@ The orders:
 Each child runs under an address-space limit (``--memory-limit-gib``, lowered to what the
 machine has available minus 2 GiB), so a case that does not fit fails with ``MemoryError`` and
 is reported as not fitting instead of waking the kernel's OOM killer. The published figures
-(``docs-snippets/data.md``) come from::
+(``docs/data.md``) come from::
 
     python benchmarks/sampler_memory.py --sizes 1e6,1e8,1e9
 
