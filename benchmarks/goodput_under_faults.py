@@ -36,9 +36,17 @@ host, ``--local-addr`` and ``GLOO_SOCKET_IFNAME``; elastic-run needs nothing mor
 (issue 14): goodput >= 0.90 in place. It needs root, ``ip`` and ``nft``; elsewhere it prints
 one line saying why and exits 0 with ``{"skipped": reason}`` as its JSON.
 
+``--script example`` runs ``examples/train.py`` as shipped instead (float64, a checkpoint every
+``--interval`` steps, each step padded to ``--step-time``), under elastic-run with the flags a
+user passes (``--min-nodes 2 --max-nodes 3 --etcd ... --job-id ...``: in place because the
+script uses ``ElasticLoop``) and under torchrun (which restarts it on every change); the
+stopwatch then reads the steps from the job's event log, which the loop writes itself under
+torchrun.
+
 Usage::
 
     python benchmarks/goodput_under_faults.py [--duration 300] [--period 30] [--json out.json]
+    python benchmarks/goodput_under_faults.py --script example --launchers elastic-run,torchrun
     sudo python benchmarks/goodput_under_faults.py --fault silent-host \
         --launchers elastic-run-inplace,torchrun [--duration 300] [--json out.json]
 
@@ -65,6 +73,7 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
+EXAMPLE = REPO / "examples" / "train.py"
 NODES = 3
 FAST_RDZV_CONF = ("join_timeout=90,last_call_timeout=1,close_timeout=10,heartbeat_timeout=5,"
                   "keep_alive_interval=1,keep_alive_max_attempt=3")
@@ -184,6 +193,13 @@ class Job:
                         PYTHONPATH=os.pathsep.join(filter(None, [str(REPO),
                                                                  os.environ.get("PYTHONPATH")])),
                         TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+        if self.example:  # the loop writes the job's steps there itself under torchrun
+            self.env["ELASTIC_EVENTS_DIR"] = str(root / "events")
+
+    @property
+    def example(self) -> bool:
+        """Whether the job is ``examples/train.py`` as shipped (``--script example``)."""
+        return bool(getattr(self.args, "script", "bench") == "example")
 
     def _argv(self, steps: int) -> list[str]:
         worker = [str(Path(__file__).resolve()), "--worker", "--ckpt", str(self.root / "ckpt"),
@@ -192,6 +208,18 @@ class Job:
                   str(self.args.step_time)]
         common = ["--nnodes", f"2:{NODES}", "--nproc-per-node", "1", "--max-restarts", "100",
                   "--rdzv-conf", FAST_RDZV_CONF, "--monitor-interval", "0.1"]
+        if self.example:
+            # The README's example with script arguments only; elastic-run with the flags a
+            # user passes (node counts, etcd, job id) and the event log the report reads.
+            worker = [str(EXAMPLE), "--steps", str(steps), "--step-time",
+                      str(self.args.step_time), "--checkpoint-dir", str(self.root / "ckpt"),
+                      "--checkpoint-every", str(self.args.interval), "--dtype", "float64"]
+            if self.launcher != "torchrun":
+                assert self.etcd is not None
+                return [sys.executable, "-m", "launch", "--min-nodes", "2", "--max-nodes",
+                        str(NODES), "--etcd", self.etcd, "--job-id", self.job_id,
+                        "--events-dir", str(self.root / "events"), *self.args.elastic_run_arg,
+                        *worker]
         if self.launcher == "elastic-run-inplace":
             common = [*common, "--elastic-mode", "inplace"]
         if self.launcher == "torchrun":
@@ -221,6 +249,8 @@ class Job:
         self.start(slot, steps)
 
     def progress(self) -> list[tuple[float, int, int]]:
+        if self.example:
+            return self._logged_steps()
         path = self.root / "progress.txt"
         rows = []
         if path.exists():
@@ -229,6 +259,17 @@ class Job:
                 if len(parts) == 3:
                     rows.append((float(parts[0]), int(parts[1]), int(parts[2])))
         return rows
+
+    def _logged_steps(self) -> list[tuple[float, int, int]]:
+        """``(time, step, world)`` of every step in the job's event log (global rank 0's,
+        under either launcher: the loop writes them itself under torchrun)."""
+        from elastic.eventlog import read_events
+
+        events = self.root / "events"
+        if not events.exists():
+            return []
+        return [(float(e["time"]), int(e["step"]), int(e.get("world", 0)))
+                for e in read_events(events) if e.get("event") == "step" and "step" in e]
 
     def run(self, duration: float, faults: bool, steps: int = 1_000_000) -> tuple[float, int]:
         """Runs the job for ``duration`` s (with the schedule), drains it; ``(wall, steps)``."""
@@ -322,6 +363,17 @@ class NetnsJob(Job):
         self.hosts[slot] = self.spares.pop(0)
         self.start(slot, steps)
         lost.kill_all()
+
+    def _logged_steps(self) -> list[tuple[float, int, int]]:
+        """``(time, step, world)`` of every step in the job's event log (global rank 0's,
+        under either launcher: the loop writes them itself under torchrun)."""
+        from elastic.eventlog import read_events
+
+        events = self.root / "events"
+        if not events.exists():
+            return []
+        return [(float(e["time"]), int(e["step"]), int(e.get("world", 0)))
+                for e in read_events(events) if e.get("event") == "step" and "step" in e]
 
     def run(self, duration: float, faults: bool, steps: int = 1_000_000) -> tuple[float, int]:
         try:
@@ -430,6 +482,10 @@ def main() -> int:
                         help="node-kill: a node's process tree SIGKILLed on 127.0.0.1 "
                         "(default); silent-host: a node's link cut for good on a cluster of "
                         "network namespaces (needs root)")
+    parser.add_argument("--script", choices=("bench", "example"), default="bench",
+                        help="bench: this file's worker (default); example: examples/train.py "
+                        "as shipped (float64), elastic-run with default flags, goodput from "
+                        "the steps in the job's event log")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     if args.worker:

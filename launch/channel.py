@@ -26,7 +26,6 @@ import os
 import shutil
 import socket
 import struct
-import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -34,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 from elastic.agent_link import send_all
+from launch.socket_dirs import private_socket_dir
 
 __all__ = ["ChannelServer", "WorkerConnection"]
 
@@ -109,8 +109,7 @@ class ChannelServer:
         self._on_message = on_message
         self._on_disconnect = on_disconnect
         self._accept_pid = accept
-        self._dir = tempfile.mkdtemp(prefix="elastic-agent-")
-        os.chmod(self._dir, 0o700)
+        self._dir = private_socket_dir("elastic-agent-", "agent.sock")
         self.path = os.path.join(self._dir, "agent.sock")
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._listener.bind(self.path)

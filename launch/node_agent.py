@@ -360,6 +360,8 @@ class NodeAgent:
             if kind == "progress":
                 step = int(message.get("step", slot.step))
                 if step != slot.step:
+                    # Workers report completed steps only (a new worker's restored or healed
+                    # step is no evidence that it trains).
                     self._progress_at = time.monotonic()
                 slot.step = step
                 publish = self._clear_failure_past(slot.step)

@@ -22,7 +22,6 @@ import logging
 import os
 import shutil
 import socket
-import tempfile
 import threading
 from collections.abc import Callable
 from types import TracebackType
@@ -32,6 +31,7 @@ from elastic import env
 from elastic.event_chunks import ChunkWriter
 from elastic.eventlog import EventLog
 from elastic.telemetry import MAX_DATAGRAM, decode
+from launch.socket_dirs import private_socket_dir
 
 if TYPE_CHECKING:
     from launch.metrics import NodeMetrics
@@ -43,20 +43,6 @@ SOCKET_NAME: Final = "telemetry.sock"
 _POLL_S: Final = 0.05
 #: Receive buffer asked for: room for bursts while the receiver thread waits for the GIL.
 _RCVBUF: Final = 4 << 20
-
-
-#: A Unix socket's path must fit ``sun_path`` (108 bytes on Linux, with its NUL).
-_MAX_SOCKET_PATH = 100
-
-
-def _socket_parent() -> str | None:
-    """Where the socket's private directory goes: the temporary directory, unless its path
-    is too long for a Unix socket (a deep ``TMPDIR``), then ``/tmp``."""
-    base = tempfile.gettempdir()
-    longest = os.path.join(base, "elastic-telemetry-" + "x" * 8, SOCKET_NAME)
-    if len(os.fsencode(longest)) <= _MAX_SOCKET_PATH:
-        return None
-    return "/tmp"
 
 
 class TelemetryReceiver:
@@ -92,8 +78,7 @@ class TelemetryReceiver:
 
     def start(self) -> TelemetryReceiver:
         """Binds the socket and starts the receiver thread."""
-        self._dir = tempfile.mkdtemp(prefix="elastic-telemetry-",  # mode 0700
-                                     dir=_socket_parent())
+        self._dir = private_socket_dir("elastic-telemetry-", SOCKET_NAME)
         atexit.register(shutil.rmtree, self._dir, ignore_errors=True)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         with contextlib.suppress(OSError):  # capped by net.core.rmem_max: best effort

@@ -149,6 +149,7 @@ class InPlaceController:
         self._arrived: tuple[int, float] | None = None
         self._reported_waiting: int | None = None
         self._step = -1
+        self._completed = -1  # the step after the last one this worker completed
         self._reported_step = -2
         link.add_listener(self._on_message)
         link.add_ticker(self._tick)
@@ -245,7 +246,7 @@ class InPlaceController:
         """The loop completed ``step`` in ``duration`` seconds of compute."""
         self._step_times.append(duration)
         self._arrived = None
-        self._step = self.link.step = step + 1
+        self._step = self.link.step = self._completed = step + 1
         if self._reported_waiting is not None:
             self._reported_waiting = None
             self.link.send("resumed")
@@ -258,9 +259,12 @@ class InPlaceController:
 
     def _tick(self) -> None:
         """Heartbeat-thread check: report progress, and report waiting past the threshold."""
-        if self._step != self._reported_step:
-            self._reported_step = self._step
-            self.link.send("progress", step=self._step)
+        # Completed steps only: a new worker begins at the step it restored or was healed
+        # to, which is no evidence that it trains (its agent tells a node cut off from the
+        # job from an etcd outage by whether its workers still train).
+        if self._completed != self._reported_step:
+            self._reported_step = self._completed
+            self.link.send("progress", step=self._completed)
         arrived, world = self._arrived, self.world
         if arrived is None or world is None or self._reported_waiting == arrived[0]:
             return

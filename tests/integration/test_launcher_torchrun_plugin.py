@@ -20,6 +20,8 @@ def etcd(request: pytest.FixtureRequest) -> Any:
     return etcd_or_skip(request)
 
 
+# The agents' wait ends before pytest's timeout, so that a hang fails with their logs.
+@pytest.mark.timeout(240)
 def test_torchrun_runs_a_two_node_job_on_the_etcd_v3_backend(
     tmp_path: Path, etcd: Any
 ) -> None:
@@ -30,7 +32,7 @@ def test_torchrun_runs_a_two_node_job_on_the_etcd_v3_backend(
              "--rdzv-conf", FAST_RDZV_CONF]
     with cluster(tmp_path, etcd.endpoint, job) as c:
         agents = [c.start(flags, c.worker_args(steps=10), launcher=torchrun) for _ in range(2)]
-        codes = [a.wait(120) for a in agents]
+        codes = [a.wait(90) for a in agents]
         assert codes == [0, 0], c.logs()
         finals = [s for s in c.steps() if s.step == 10]
         assert sorted((s.rank, s.world) for s in finals) == [(0, 2), (1, 2)]

@@ -66,7 +66,9 @@ def _start(c: Cluster, node: int, watch: list[str], tmp: Path) -> None:
     )
 
 
-@pytest.mark.parametrize("cloud", ["aws", "gcp"])
+# One cloud end to end: the notice sources differ only in how a node process hears them,
+# which test_preemption_notices.py checks for each (AWS, GCP, SIGTERM) in a real process.
+@pytest.mark.parametrize("cloud", ["aws"])
 def test_a_preempted_node_checkpoints_and_leaves_and_the_others_go_on_at_once(
     cloud: str, request: pytest.FixtureRequest, tmp_path: Path
 ) -> None:
