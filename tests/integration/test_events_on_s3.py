@@ -23,12 +23,12 @@ from typing import Any
 
 import pytest
 import s3fs
-from moto.server import ThreadedMotoServer
 
 from elastic.eventlog import read_events
 from launch import goodput
 from tests.integration.launcher_scripts.harness import REPO, cluster, etcd_or_skip, kill
 from tests.integration.training.inplace_job import EVENT_TIMEOUT, STEPS, InPlaceJob
+from tests.support.moto_s3 import moto_s3, s3_options
 
 pytestmark = [pytest.mark.s3]
 
@@ -37,26 +37,11 @@ WRITER = Path(__file__).with_name("launcher_scripts") / "events_writer.py"
 
 @pytest.fixture(scope="module")
 def endpoint() -> Iterator[str]:
-    saved = {k: os.environ.get(k) for k in
-             ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION")}
-    os.environ.update(AWS_ACCESS_KEY_ID="x", AWS_SECRET_ACCESS_KEY="x",
-                      AWS_DEFAULT_REGION="us-east-1")
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0)
-    server.start()
-    host, port = server.get_host_and_port()
-    try:
-        yield f"http://{host}:{port}"
-    finally:
-        server.stop()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    with moto_s3() as url:
+        yield url
 
 
-def _options(endpoint: str) -> dict[str, Any]:
-    return {"client_kwargs": {"endpoint_url": endpoint}, "key": "x", "secret": "x"}
+_options = s3_options
 
 
 @pytest.fixture

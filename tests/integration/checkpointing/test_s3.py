@@ -1,6 +1,5 @@
 from __future__ import annotations
 
-import os
 import re
 import uuid
 from collections.abc import Iterator
@@ -9,7 +8,6 @@ from typing import Any
 import pytest
 import s3fs
 import torch
-from moto.server import ThreadedMotoServer
 
 from checkpointing import CheckpointManager, ModelOptimizerState
 from checkpointing.errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
@@ -19,35 +17,18 @@ from tests.integration.checkpointing.conftest import (
     make_model_and_optimizer,
     train_steps,
 )
+from tests.support.moto_s3 import moto_s3, s3_options
 
 pytestmark = pytest.mark.s3
 
 
 @pytest.fixture(scope="module")
 def endpoint() -> Iterator[str]:
-    saved = {
-        k: os.environ.get(k)
-        for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION")
-    }
-    os.environ.update(
-        AWS_ACCESS_KEY_ID="x", AWS_SECRET_ACCESS_KEY="x", AWS_DEFAULT_REGION="us-east-1"
-    )
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0)
-    server.start()
-    host, port = server.get_host_and_port()
-    try:
-        yield f"http://{host}:{port}"
-    finally:
-        server.stop()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    with moto_s3() as url:
+        yield url
 
 
-def _options(endpoint: str) -> dict[str, Any]:
-    return {"client_kwargs": {"endpoint_url": endpoint}, "key": "x", "secret": "x"}
+_options = s3_options
 
 
 @pytest.fixture
