@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import tempfile
 from pathlib import Path
@@ -21,11 +22,15 @@ def deep_tmp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return deep
 
 
-def test_a_short_tmpdir_is_used_as_it_is(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    directory = private_socket_dir("elastic-agent-", "agent.sock")
-    assert Path(directory).parent == tmp_path
-    assert os.stat(directory).st_mode & 0o777 == 0o700
+def test_a_short_tmpdir_is_used_as_it_is(monkeypatch: pytest.MonkeyPatch) -> None:
+    short = Path(tempfile.mkdtemp(prefix="sd-", dir="/tmp"))  # pytest's own can be too deep
+    try:
+        monkeypatch.setattr(tempfile, "tempdir", str(short))
+        directory = private_socket_dir("elastic-agent-", "agent.sock")
+        assert Path(directory).parent == short
+        assert os.stat(directory).st_mode & 0o777 == 0o700
+    finally:
+        shutil.rmtree(short)
 
 
 def test_a_deep_tmpdir_moves_the_socket_to_tmp(deep_tmp: Path) -> None:
