@@ -364,17 +364,6 @@ class NetnsJob(Job):
         self.start(slot, steps)
         lost.kill_all()
 
-    def _logged_steps(self) -> list[tuple[float, int, int]]:
-        """``(time, step, world)`` of every step in the job's event log (global rank 0's,
-        under either launcher: the loop writes them itself under torchrun)."""
-        from elastic.eventlog import read_events
-
-        events = self.root / "events"
-        if not events.exists():
-            return []
-        return [(float(e["time"]), int(e["step"]), int(e.get("world", 0)))
-                for e in read_events(events) if e.get("event") == "step" and "step" in e]
-
     def run(self, duration: float, faults: bool, steps: int = 1_000_000) -> tuple[float, int]:
         try:
             return super().run(duration, faults, steps)
