@@ -376,9 +376,14 @@ class EtcdClient:
             ) from exc
         raise AssertionError("unreachable")  # pragma: no cover
 
-    def get(self, key: str) -> KeyValue | None:
-        """Returns the key, or ``None`` if it does not exist."""
-        kvs = self.call("/v3/kv/range", {"key": b64(key)}).get("kvs", [])
+    def status(self, *, deadline: timedelta | None = None) -> dict[str, Any]:
+        """etcd's maintenance status of the endpoint that answers (``deadline``: see
+        :meth:`call`): the cheapest call that proves etcd answers and accepts this client."""
+        return self.call("/v3/maintenance/status", {}, deadline=deadline)
+
+    def get(self, key: str, *, deadline: timedelta | None = None) -> KeyValue | None:
+        """Returns the key, or ``None`` if it does not exist (``deadline``: see :meth:`call`)."""
+        kvs = self.call("/v3/kv/range", {"key": b64(key)}, deadline=deadline).get("kvs", [])
         return decode_kv(kvs[0]) if kvs else None
 
     def get_prefix(self, prefix: str) -> list[KeyValue]:

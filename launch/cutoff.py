@@ -27,7 +27,6 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Final
 
 from tenacity import (
@@ -38,7 +37,7 @@ from tenacity import (
     wait_exponential_jitter,
 )
 
-from elastic.inplace.liveness import probe
+from elastic.inplace.liveness import probe_all
 from elastic.rdzv.job import RunMembership
 from elastic.rdzv.records import GenerationRecord, RecordError
 from elastic_errors import EtcdUnavailableError
@@ -97,9 +96,7 @@ def peers_answer(addresses: Sequence[tuple[str, int]], timeout: float = 1.0) -> 
     ``None`` without addresses."""
     if not addresses:
         return None
-    with ThreadPoolExecutor(max_workers=min(16, len(addresses)),
-                            thread_name_prefix="elastic-cutoff-probe") as pool:
-        return any(pool.map(lambda a: probe(a[0], a[1], timeout) is True, addresses))
+    return any(alive is True for alive in probe_all(addresses, timeout).values())
 
 
 def ended_while_away(record: GenerationRecord | None, generation: int

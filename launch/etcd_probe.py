@@ -18,7 +18,6 @@ from elastic_errors import EtcdAccessError, EtcdUnavailableError
 
 logger = logging.getLogger(__name__)
 
-_PATH: Final = "/v3/maintenance/status"
 _ATTEMPT_TIMEOUT_S: Final = 2.0
 
 
@@ -52,7 +51,7 @@ def probe(endpoints: str, timeout: timedelta, conf: Mapping[str, Any] | None = N
     client = EtcdClient(config)
     try:
         # With credentials configured this logs in first, so a wrong password fails here.
-        client.call(_PATH, {})
+        client.status()
     except EtcdAccessError:
         raise
     except EtcdUnavailableError as exc:

@@ -408,7 +408,7 @@ class NodeAgent:
             return True
         return False
 
-    def _check_suspects(self, nodes: list[str]) -> None:
+    def _check_suspects(self, nodes: list[str], world: WorldRecord | None = None) -> bool:
         """Removes the records of suspected nodes whose agent is certainly gone.
 
         A worker whose collective failed names its world's other nodes. A node whose whole
@@ -418,11 +418,19 @@ class NodeAgent:
         led the run, the leader key too (deleting the record alone would leave the run
         without a leader to write the next world until the lease expired). A silent host
         answers nothing (unknown) and its lease decides.
+
+        Args:
+            nodes: The suspected nodes.
+            world: The world whose records give their addresses (default: the current one).
+
+        Returns:
+            Whether any of them was found dead.
         """
         run = self._run
-        world = run.world() if run is not None else None
+        if world is None and run is not None:
+            world = run.world()
         if run is None or world is None:
-            return
+            return False
         addresses = {m.node: (m.addr, m.probe_port) for m in world.members
                      if m.node in nodes and m.node != self._node and m.probe_port}
         dead = self._probes.dead(addresses.values())
@@ -437,6 +445,7 @@ class NodeAgent:
                     run.client.delete(run.keys.node(node))
                 logger.warning("node %s is gone (its agent's liveness port refuses); "
                                "revoked its lease (its record and any leadership go)", node)
+        return bool(dead)
 
     def _push_world(self) -> None:
         """Passes the newest world to the workers (called on every control-key change)."""
@@ -929,11 +938,9 @@ class NodeAgent:
         world = failure.world
         if world is None:
             return
-        others = [m.node for m in world.members if m.node != self._node and m.probe_port]
-        addresses = {(m.addr, m.probe_port) for m in world.members if m.node in others}
-        if self._probes.dead(addresses):
+        others = [m.node for m in world.members if m.node != self._node]
+        if self._check_suspects(others, world):
             failure.peer_node_dead = True
-            self._check_suspects(others)
             self._wake.set()
 
     def _still_connected(self, process: SlotProcess) -> bool:
@@ -1177,7 +1184,7 @@ class NodeAgent:
 def _etcd_answers(run: RunMembership) -> bool:
     """Whether etcd answers right now (one quick status call, about 2 s at most)."""
     try:
-        run.client.call("/v3/maintenance/status", {}, deadline=timedelta(seconds=2))
+        run.client.status(deadline=timedelta(seconds=2))
     except EtcdUnavailableError:
         return False
     return True

@@ -92,6 +92,18 @@ def probe(host: str, port: int, timeout: float = DEFAULT_PROBE_TIMEOUT_S) -> boo
         return None
 
 
+def probe_all(addresses: Iterable[tuple[str, int]],
+              timeout: float = DEFAULT_PROBE_TIMEOUT_S) -> dict[tuple[str, int], bool | None]:
+    """:func:`probe` of every address, in parallel; address -> its answer."""
+    todo = list(addresses)
+    if not todo:
+        return {}
+    with ThreadPoolExecutor(max_workers=min(_MAX_PARALLEL_PROBES, len(todo)),
+                            thread_name_prefix="elastic-probe") as pool:
+        answers = list(pool.map(lambda a: probe(a[0], a[1], timeout), todo))
+    return dict(zip(todo, answers, strict=True))
+
+
 class ProbeBook:
     """Which peers answered a probe once, so that their refusal can be trusted later.
 
@@ -104,20 +116,11 @@ class ProbeBook:
         self._answered: set[tuple[str, int]] = set()
         self._lock = threading.Lock()
 
-    def _probe_all(self, addresses: list[tuple[str, int]]) -> dict[tuple[str, int], bool | None]:
-        if not addresses:
-            return {}
-        workers = min(_MAX_PARALLEL_PROBES, len(addresses))
-        with ThreadPoolExecutor(max_workers=workers,
-                                thread_name_prefix="elastic-probe") as pool:
-            answers = list(pool.map(lambda a: probe(a[0], a[1], self.timeout), addresses))
-        return dict(zip(addresses, answers, strict=True))
-
     def learn(self, addresses: Iterable[tuple[str, int]]) -> None:
         """Probes ``addresses`` and remembers those that accepted (call on a fresh world)."""
         with self._lock:
             todo = [a for a in addresses if a not in self._answered]
-        answers = self._probe_all(todo)
+        answers = probe_all(todo, self.timeout)
         with self._lock:
             self._answered.update(a for a, alive in answers.items() if alive)
 
@@ -132,7 +135,7 @@ class ProbeBook:
         """The addresses that answered before and now refuse: their process is gone."""
         with self._lock:
             known = [a for a in addresses if a in self._answered]
-        answers = self._probe_all(known)
+        answers = probe_all(known, self.timeout)
         gone = {a for a, alive in answers.items() if alive is False}
         with self._lock:
             self._answered -= gone

@@ -14,7 +14,6 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, Final
 
-from elastic._etcd_wire import b64
 from elastic.etcd import EtcdClient, Lease
 from elastic.rdzv.keys import JobKeys
 from elastic.rdzv.records import NodeRecord
@@ -119,13 +118,12 @@ class NodeMembership:
             return False
         key = self.key
         try:
-            kvs = self._client.call("/v3/kv/range", {"key": b64(key), "keys_only": True},
-                                    deadline=REPAIR_DEADLINE).get("kvs", [])
+            kv = self._client.get(key, deadline=REPAIR_DEADLINE)
         except EtcdUnavailableError:
             return False
-        if not kvs:
+        if kv is None:
             return False  # deleted: the lease decides (a peer that found this node dead)
-        revision = int(kvs[0].get("mod_revision", 0))
+        revision = kv.mod_revision
         with self._lock:
             # Equal: the key holds our record; older: a put of ours came after the read.
             if (self._left or self._lease is None or revision <= self._written_at
