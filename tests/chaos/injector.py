@@ -66,7 +66,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import torch
 
@@ -216,11 +216,14 @@ def chaos_env(root: Path) -> Iterator[ChaosEnv]:
         env.stop()
 
 
-@dataclass
-class Injected:
-    """What happened to one fault."""
+FaultT = TypeVar("FaultT")
 
-    fault: Fault
+
+@dataclass
+class Injected(Generic[FaultT]):
+    """What happened to one fault (a :class:`Fault` here, a ``NetnsFault`` in place)."""
+
+    fault: FaultT
     at: float | None = None  # seconds after the first step; None: never injected
     at_step: int | None = None
     note: str = ""
@@ -235,7 +238,7 @@ class RunResult:
     reference: Path
     checkpoint_url: str
     storage_options: dict[str, Any]
-    injected: list[Injected]
+    injected: list[Injected[Fault]]
     exit_codes: dict[str, int | str]  # agent log -> exit code, "killed" (a fault), "running"
     spawned: dict[int, int]  # pid -> start time (/proc stat field 22)
     wall_s: float
@@ -593,7 +596,7 @@ class ChaosRun:
         if now - self._last_progress > self.stall_timeout:
             raise TimeoutError(f"{what}: no step trained for {self.stall_timeout:.0f} s")
 
-    def _drive(self, nodes: list[_Node], injected: list[Injected],
+    def _drive(self, nodes: list[_Node], injected: list[Injected[Fault]],
                s3_proxy: FaultProxy | None, started: float) -> None:
         # 1. Every node in one round before step 0.
         while self._progress()[1] < self.nodes:

@@ -65,6 +65,7 @@ from typing import Any, Final
 
 import torch
 
+from tests.chaos.injector import Injected
 from tests.support import hang, proctree
 from tests.support.fault_proxy import FaultProxy
 from tests.support.netns import Host, NetnsCluster
@@ -201,23 +202,13 @@ def reference_weights(root: Path, shape: NetnsShape) -> Path:
 
 
 @dataclass
-class Injected:
-    """What happened to one fault."""
-
-    fault: NetnsFault
-    at: float | None = None  # seconds after the first step; None: never injected
-    at_step: int | None = None
-    note: str = ""
-
-
-@dataclass
 class NetnsRunResult:
     """Everything a run produced, and the checks of correctness."""
 
     root: Path
     shape: NetnsShape
     reference: Path
-    injected: list[Injected]
+    injected: list[Injected[NetnsFault]]
     exit_codes: dict[str, int | str]  # launcher log -> code, "killed", "lost", "running"
     wall_s: float
     hung: str | None = None
@@ -396,7 +387,7 @@ class NetnsChaosRun:
         return result
 
     def _run_job(self, cluster: NetnsCluster, storage: _Storage | None,
-                 injected: list[Injected], result: NetnsRunResult) -> None:
+                 injected: list[Injected[NetnsFault]], result: NetnsRunResult) -> None:
         checkpoint_url = (f"s3://{storage.bucket}/job" if storage is not None
                           else str(self.root / "ckpt"))
         script = inplace_worker_args(self.root, steps=self.shape.steps,
@@ -501,7 +492,7 @@ class NetnsChaosRun:
     def _latest_step(self) -> int:
         return int(self.job.latest_step(self.job.audit()))
 
-    def _drive(self, slots: list[_Slot], injected: list[Injected]) -> None:
+    def _drive(self, slots: list[_Slot], injected: list[Injected[NetnsFault]]) -> None:
         for item in sorted(injected, key=lambda i: i.fault.at_step):
             fault = item.fault
             self.job.open_gate(min(self.shape.steps, fault.at_step + GATE_AHEAD))
