@@ -513,10 +513,20 @@ class EtcdClient:
             return 0
         return int(reply.get("result", {}).get("TTL", 0))
 
-    def revoke_lease(self, lease_id: int) -> None:
-        """Revokes a lease, deleting every key attached to it."""
+    def lease_time_to_live(self, lease_id: int, *,
+                           deadline: timedelta | None = None) -> tuple[int, int]:
+        """A lease's remaining and granted TTL in whole seconds (``deadline``: see :meth:`call`).
+
+        etcd truncates the remaining time to whole seconds; it is -1 once the lease is gone.
+        """
+        reply = self.call("/v3/lease/timetolive", {"ID": str(lease_id)}, deadline=deadline)
+        # The gateway leaves zero-valued fields out: a lease with under a second left has no TTL.
+        return int(reply.get("TTL", 0)), int(reply.get("grantedTTL", 0))
+
+    def revoke_lease(self, lease_id: int, *, deadline: timedelta | None = None) -> None:
+        """Revokes a lease, deleting every key attached to it (``deadline``: see :meth:`call`)."""
         try:
-            self.call("/v3/lease/revoke", {"ID": str(lease_id)})
+            self.call("/v3/lease/revoke", {"ID": str(lease_id)}, deadline=deadline)
         except EtcdUnavailableError as exc:
             if "lease not found" not in str(exc):
                 raise

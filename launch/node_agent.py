@@ -67,6 +67,7 @@ from elastic_errors import EtcdUnavailableError
 from launch.budget import CrashBudget
 from launch.channel import ChannelServer, WorkerConnection
 from launch.cutoff import Reconnect, cut_off, ended_while_away, peers_answer
+from launch.silent_peers import ETCD_CHECK_DEADLINE, SilentPeerWatch, lease_unrefreshed
 from launch.slots import SlotProcess, WorkerCommand, stop_all
 from launch.stores import StorePool
 
@@ -204,6 +205,7 @@ class NodeAgent:
         self._stores = StorePool(config.addr)
         self._liveness = LivenessSocket(config.addr if config.addr != "127.0.0.1" else "")
         self._probes = ProbeBook()
+        self._silent_peers = SilentPeerWatch(self._check_silent_peers)
         self._channel = ChannelServer(self._on_message, self._on_disconnect,
                                       accept=self._is_worker)
         self._run: RunMembership | None = None
@@ -359,16 +361,22 @@ class NodeAgent:
                 self._max_world = int(message["max_world"])
             if kind == "progress":
                 step = int(message.get("step", slot.step))
-                if step != slot.step:
+                if step >= 0 and step != slot.step:
                     # Workers report completed steps only (a new worker's restored or healed
-                    # step is no evidence that it trains).
+                    # step is no evidence that it trains), and -1 before they complete one:
+                    # a replacement's first report differs from its slot's last step, but
+                    # it is no progress (a node cut off from the job, whose worker was
+                    # replaced meanwhile, took it for training on through an etcd outage).
                     self._progress_at = time.monotonic()
                 slot.step = step
                 publish = self._clear_failure_past(slot.step)
             elif kind == "waiting":
                 slot.waiting = {"epoch": int(message["epoch"]), "step": int(message["step"])}
                 publish = True
+            elif kind == "stalled":
+                self._silent_peers.stalled(int(message["epoch"]))
             elif kind == "resumed":
+                self._silent_peers.resumed()
                 publish = slot.waiting is not None
                 slot.waiting = None
             elif kind == "build_failed":
@@ -408,8 +416,9 @@ class NodeAgent:
             return True
         return False
 
-    def _check_suspects(self, nodes: list[str], world: WorldRecord | None = None) -> bool:
-        """Removes the records of suspected nodes whose agent is certainly gone.
+    def _check_suspects(self, nodes: list[str], world: WorldRecord | None = None, *,
+                        silent: bool = False) -> bool:
+        """Removes the records of suspected nodes whose agent is gone.
 
         A worker whose collective failed names its world's other nodes. A node whose whole
         process tree died (an OOM kill, a crashed container) has nobody left to revoke its
@@ -417,14 +426,17 @@ class NodeAgent:
         revoked at once instead of expiring after the TTL. That removes its record and, if it
         led the run, the leader key too (deleting the record alone would leave the run
         without a leader to write the next world until the lease expired). A silent host
-        answers nothing (unknown) and its lease decides.
+        answers nothing (unknown): with ``silent`` (this node's workers wait for it in a
+        collective) it goes too once etcd has had no keep-alive of its lease for a whole
+        period (:mod:`launch.silent_peers`); otherwise its lease decides.
 
         Args:
             nodes: The suspected nodes.
             world: The world whose records give their addresses (default: the current one).
+            silent: Whether a node that answers no probe may be removed as well.
 
         Returns:
-            Whether any of them was found dead.
+            Whether any of them was found gone.
         """
         run = self._run
         if world is None and run is not None:
@@ -433,19 +445,42 @@ class NodeAgent:
             return False
         addresses = {m.node: (m.addr, m.probe_port) for m in world.members
                      if m.node in nodes and m.node != self._node and m.probe_port}
-        dead = self._probes.dead(addresses.values())
+        dead, unanswered = self._probes.recheck(addresses.values())
+        found = bool(dead)
+        # Silent checks run while the workers are stuck: a node that cannot reach etcd at
+        # once is the cut-off one, and must not sit on etcd's whole deadline.
+        deadline = ETCD_CHECK_DEADLINE if silent else None
         for node, address in addresses.items():
-            if address not in dead:
+            if address not in dead and not (silent and address in unanswered):
                 continue
             with contextlib.suppress(EtcdUnavailableError):
-                kv = run.client.get(run.keys.node(node))
+                kv = run.client.get(run.keys.node(node), deadline=deadline)
+                if address in dead:
+                    why = "its agent's liveness port refuses"
+                elif kv is None:
+                    found = True  # already gone: its lease expired meanwhile
+                    continue
+                elif kv.lease and lease_unrefreshed(run.client, kv.lease):
+                    why = ("its host answers no probe and etcd has had no keep-alive of its "
+                           "lease for over a keep-alive period")
+                else:
+                    continue
                 if kv is not None and kv.lease:
-                    run.client.revoke_lease(kv.lease)
+                    run.client.revoke_lease(kv.lease, deadline=deadline)
                 else:
                     run.client.delete(run.keys.node(node))
-                logger.warning("node %s is gone (its agent's liveness port refuses); "
-                               "revoked its lease (its record and any leadership go)", node)
-        return bool(dead)
+                found = True
+                logger.warning("node %s is gone (%s); revoked its lease (its record and any "
+                               "leadership go)", node, why)
+        return found
+
+    def _check_silent_peers(self, epoch: int) -> bool:
+        """:class:`SilentPeerWatch`'s check: removes the peers of world ``epoch`` that went
+        silent; whether to stop checking (one went, or the world moved on)."""
+        world = self._run.world() if self._run is not None else None
+        if world is None or world.epoch != epoch:
+            return True
+        return self._check_suspects([m.node for m in world.members], world, silent=True)
 
     def _push_world(self) -> None:
         """Passes the newest world to the workers (called on every control-key change)."""
@@ -1176,6 +1211,7 @@ class NodeAgent:
         if run is not None:
             with contextlib.suppress(Exception):
                 run.leave()
+        self._silent_peers.close()
         self._channel.close()
         self._liveness.close()
         self._stores.close()

@@ -73,6 +73,11 @@ DEFAULT_BUILD_TIMEOUT_S: Final = 10.0
 DEFAULT_HANG_TIMEOUT_S: Final = 10.0
 DEFAULT_HANG_FACTOR: Final = 10.0
 DEFAULT_MAX_STEP_RETRIES: Final = 3
+#: Waiting in a collective this long (or this many median steps, if longer) makes the agent
+#: look for a peer host that went silent (launch.silent_peers): cheap, and it acts only on
+#: two independent signs, so it can start early.
+STALL_FLOOR_S: Final = 0.5
+STALL_FACTOR: Final = 3.0
 _EVIDENCE_TIMEOUT_S: Final = 4.0  # a crash is reported in ~0.1 s, a silent host in ~ttl
 _MAX_BUILDS: Final = 100
 _STEP_TIMES: Final = 50
@@ -148,6 +153,7 @@ class InPlaceController:
         self._step_times: deque[float] = deque(maxlen=_STEP_TIMES)
         self._arrived: tuple[int, float] | None = None
         self._reported_waiting: int | None = None
+        self._reported_stalled: tuple[int, int] | None = None  # (epoch, step)
         self._step = -1
         self._completed = -1  # the step after the last one this worker completed
         self._reported_step = -2
@@ -247,8 +253,8 @@ class InPlaceController:
         self._step_times.append(duration)
         self._arrived = None
         self._step = self.link.step = self._completed = step + 1
-        if self._reported_waiting is not None:
-            self._reported_waiting = None
+        if self._reported_waiting is not None or self._reported_stalled is not None:
+            self._reported_waiting = self._reported_stalled = None
             self.link.send("resumed")
 
     def hang_threshold(self) -> float:
@@ -256,6 +262,12 @@ class InPlaceController:
         if not self._step_times:
             return float("inf")  # no step yet: the first step includes warm-up and builds
         return max(self.hang_timeout, self.hang_factor * statistics.median(self._step_times))
+
+    def stall_threshold(self) -> float:
+        """Seconds of waiting in a collective after which the agent checks for silent peers."""
+        if not self._step_times:
+            return float("inf")
+        return max(STALL_FLOOR_S, STALL_FACTOR * statistics.median(self._step_times))
 
     def _tick(self) -> None:
         """Heartbeat-thread check: report progress, and report waiting past the threshold."""
@@ -266,9 +278,13 @@ class InPlaceController:
             self._reported_step = self._completed
             self.link.send("progress", step=self._completed)
         arrived, world = self._arrived, self.world
-        if arrived is None or world is None or self._reported_waiting == arrived[0]:
+        if arrived is None or world is None:
             return
-        if time.monotonic() - arrived[1] > self.hang_threshold():
+        waited = time.monotonic() - arrived[1]
+        if self._reported_stalled != (world.epoch, arrived[0]) and waited > self.stall_threshold():
+            self._reported_stalled = (world.epoch, arrived[0])
+            self.link.send("stalled", epoch=world.epoch, step=arrived[0])
+        if self._reported_waiting != arrived[0] and waited > self.hang_threshold():
             self._reported_waiting = arrived[0]
             logger.warning("waited %.1f s in the collective of step %d: reporting it",
                            time.monotonic() - arrived[1], arrived[0])

@@ -133,10 +133,21 @@ class ProbeBook:
 
     def dead(self, addresses: Iterable[tuple[str, int]]) -> set[tuple[str, int]]:
         """The addresses that answered before and now refuse: their process is gone."""
+        return self.recheck(addresses)[0]
+
+    def recheck(self, addresses: Iterable[tuple[str, int]]
+                ) -> tuple[set[tuple[str, int]], set[tuple[str, int]]]:
+        """Probes the addresses that answered before.
+
+        Returns:
+            Those that now refuse (their process is gone, for certain), and those that now
+            answer nothing within the timeout (their host is silent or cut off: unknown).
+        """
         with self._lock:
             known = [a for a in addresses if a in self._answered]
         answers = probe_all(known, self.timeout)
         gone = {a for a, alive in answers.items() if alive is False}
+        silent = {a for a, alive in answers.items() if alive is None}
         with self._lock:
             self._answered -= gone
-        return gone
+        return gone, silent

@@ -14,9 +14,10 @@ import pytest
 from torch.distributed import DistStoreError, PrefixStore
 
 from elastic.errors import ConfigError, EtcdUnavailableError
-from elastic.etcd import EtcdClient, EtcdConfig, Lease, parse_endpoints
+from elastic.etcd import EtcdClient, EtcdConfig, Lease, keep_alive_period, parse_endpoints
 from elastic.store import EtcdV3Store
 from launch.etcd_server import EmbeddedEtcd, EtcdBinaryNotFoundError, find_etcd_binary
+from launch.silent_peers import lease_unrefreshed
 
 pytestmark = pytest.mark.etcd
 
@@ -156,3 +157,20 @@ def test_a_failed_watch_resumes_once_etcd_answers_and_reports_what_changed(tmp_p
         watch.cancel()
         with pytest.raises(RuntimeError, match=r"was cancelled; it cannot resume\.$"):
             watch.resume()
+
+
+def test_a_lease_reads_as_unrefreshed_only_once_a_keep_alive_period_has_passed(
+    client: EtcdClient,
+) -> None:
+    # The silent-peer check's etcd half (launch.silent_peers): a lease refreshed within the
+    # last keep-alive period is fresh; one left alone for longer is not; a revoked one is gone.
+    lease_id = client.grant_lease(3)
+    assert client.lease_time_to_live(lease_id)[1] == 3
+    assert not lease_unrefreshed(client, lease_id)
+    time.sleep(keep_alive_period(3) + 0.1)
+    assert lease_unrefreshed(client, lease_id)
+    client.keep_alive_once(lease_id)
+    assert not lease_unrefreshed(client, lease_id)
+    client.revoke_lease(lease_id)
+    assert client.lease_time_to_live(lease_id)[0] == -1
+    assert lease_unrefreshed(client, lease_id)
