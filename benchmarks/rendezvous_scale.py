@@ -138,12 +138,14 @@ def predicted_load(nodes: int, *, ttl: int | None = None,
 
     One lease per node (workers hold none), refreshed every ``keep_alive_period(ttl)``; one
     watch per node on the run's control keys, plus the leader's watch of the node records;
-    an idle watch stream is re-opened every ``idle_reconnect``. Nothing is written while
+    an idle watch stream is re-opened every ``idle_reconnect``; each node reads its own record
+    every ``RECORD_CHECK_S`` (to put it back if someone overwrote it). Nothing is written while
     membership does not change. Defaults: the node lease TTL of ``--inplace-ttl`` and the
     client's idle reconnect.
     """
     from elastic.etcd import WATCH_IDLE_RECONNECT, keep_alive_period
     from elastic.rdzv.config import DEFAULTS
+    from elastic.rdzv.job import RECORD_CHECK_S
 
     ttl = int(DEFAULTS["member_ttl"]) if ttl is None else ttl
     idle = (idle_reconnect or WATCH_IDLE_RECONNECT).total_seconds()
@@ -151,7 +153,7 @@ def predicted_load(nodes: int, *, ttl: int | None = None,
     return {"ttl_s": float(ttl), "keepalive_period_s": keep_alive_period(ttl),
             "leases": float(nodes), "keepalives_per_s": nodes / keep_alive_period(ttl),
             "watches": float(watches), "watch_streams_per_s": watches / idle,
-            "writes_per_s": 0.0}
+            "reads_per_s": nodes / RECORD_CHECK_S, "writes_per_s": 0.0}
 
 
 # --------------------------------------------------------------------------------------------
@@ -853,7 +855,8 @@ def report(rounds: list[RoundResult], loads: list[LoadResult], nodes: list[int])
         lines.append(
             f"| {load.nodes} | {load.keepalives_per_s:.1f} ({p['keepalives_per_s']:.1f}) | "
             f"{load.watches} ({p['watches']:.0f}) | {load.watch_streams_per_s:.1f} "
-            f"({p['watch_streams_per_s']:.1f}) | {load.other_requests_per_s:.2f} (0) | "
+            f"({p['watch_streams_per_s']:.1f}) | {load.other_requests_per_s:.2f} "
+            f"({p['reads_per_s']:.2f}) | "
             f"{loss} | {load.loss_round_cas} |")
     big_nodes, big_workers = LARGE_JOB
     big = predicted_load(big_nodes)
@@ -865,7 +868,8 @@ def report(rounds: list[RoundResult], loads: list[LoadResult], nodes: list[int])
         f"{big['leases']:.0f} leases, **{big['keepalives_per_s']:.0f} keep-alives/s**, "
         f"**{big['watches']:.0f} watches** (one per node on the run's control keys, plus the "
         f"leader's on the node records), {big['watch_streams_per_s']:.0f} idle watch streams "
-        "re-opened/s, no writes while membership does not change. Per worker it would be "
+        f"re-opened/s, {big['reads_per_s']:.0f} reads/s (each node checks its own record), "
+        "no writes while membership does not change. Per worker it would be "
         f"{big_nodes * big_workers} leases and watches.",
     ]
     return "\n".join(lines)
