@@ -67,7 +67,12 @@ from elastic_errors import EtcdUnavailableError
 from launch.budget import CrashBudget
 from launch.channel import ChannelServer, WorkerConnection
 from launch.cutoff import Reconnect, cut_off, ended_while_away, peers_answer
-from launch.silent_peers import ETCD_CHECK_DEADLINE, SilentPeerWatch, lease_unrefreshed
+from launch.silent_peers import (
+    ETCD_CHECK_DEADLINE,
+    SilentPeerWatch,
+    lease_unrefreshed,
+    watched_peers,
+)
 from launch.slots import SlotProcess, WorkerCommand, stop_all
 from launch.stores import StorePool
 
@@ -205,7 +210,8 @@ class NodeAgent:
         self._stores = StorePool(config.addr)
         self._liveness = LivenessSocket(config.addr if config.addr != "127.0.0.1" else "")
         self._probes = ProbeBook()
-        self._silent_peers = SilentPeerWatch(self._check_silent_peers)
+        self._silent_peers = SilentPeerWatch(self._check_silent_peers,
+                                             limit=config.ttl + 1.0)
         self._channel = ChannelServer(self._on_message, self._on_disconnect,
                                       accept=self._is_worker)
         self._run: RunMembership | None = None
@@ -374,7 +380,7 @@ class NodeAgent:
                 slot.waiting = {"epoch": int(message["epoch"]), "step": int(message["step"])}
                 publish = True
             elif kind == "stalled":
-                self._silent_peers.stalled(int(message["epoch"]))
+                self._silent_peers.stalled(int(message["epoch"]), int(message["step"]))
             elif kind == "resumed":
                 self._silent_peers.resumed()
                 publish = slot.waiting is not None
@@ -480,7 +486,8 @@ class NodeAgent:
         world = self._run.world() if self._run is not None else None
         if world is None or world.epoch != epoch:
             return True
-        return self._check_suspects([m.node for m in world.members], world, silent=True)
+        peers = watched_peers([m.node for m in world.members], self._node)
+        return self._check_suspects(peers, world, silent=True)
 
     def _push_world(self) -> None:
         """Passes the newest world to the workers (called on every control-key change)."""

@@ -27,13 +27,14 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Final
 
 from elastic.etcd import EtcdClient, keep_alive_period
 
-__all__ = ["SilentPeerWatch", "lease_unrefreshed"]
+__all__ = ["SilentPeerWatch", "lease_unrefreshed", "watched_peers"]
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +43,24 @@ logger = logging.getLogger(__name__)
 ETCD_CHECK_DEADLINE: Final = timedelta(seconds=1)
 #: Seconds between two checks while a worker still waits.
 CHECK_INTERVAL_S: Final = 0.25
+#: How many peers each node checks (see :func:`watched_peers`).
+WATCHED_PEERS: Final = 3
+
+
+def watched_peers(members: Sequence[str], me: str, count: int = WATCHED_PEERS) -> list[str]:
+    """The peers ``me`` checks: the ``count`` members after it in the world's rank order,
+    wrapping around.
+
+    Every survivor of a collective waits when one member goes silent, so every member is
+    still checked by ``count`` others, and one round of checks costs the job ``count`` probes
+    per node instead of one per pair of nodes (a straggler on a 1024-node job must not set
+    off a million handshakes).
+    """
+    if me not in members:
+        return []
+    at = members.index(me)
+    others = [members[(at + i) % len(members)] for i in range(1, len(members))]
+    return others[:count]
 
 
 def lease_unrefreshed(client: EtcdClient, lease_id: int,
@@ -67,23 +86,29 @@ class SilentPeerWatch:
         check: Called with the epoch the workers wait in, from a thread of this watch; looks
             for silent peers of that world and removes them. Returns whether the watch should
             stop (it removed one, or that epoch is no longer the current world).
+        limit: Seconds after which a wait is no longer checked (by then a silent peer's lease
+            has expired anyway: the node lease TTL plus a margin).
         interval: Seconds between two checks.
     """
 
-    def __init__(self, check: Callable[[int], bool],
+    def __init__(self, check: Callable[[int], bool], *, limit: float,
                  interval: float = CHECK_INTERVAL_S) -> None:
         self._check = check
         self._interval = interval
-        self._epoch: int | None = None
+        self._limit = limit
+        self._wait: tuple[int, int] | None = None  # (epoch, step) the workers wait in
+        self._since = 0.0
+        self._settled = False  # the current wait needs no more checks
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
         self._closed = threading.Event()
 
-    def stalled(self, epoch: int) -> None:
-        """A worker of this node waits in a collective of world ``epoch``."""
+    def stalled(self, epoch: int, step: int) -> None:
+        """A worker of this node waits in the collective of ``step`` in world ``epoch``."""
         with self._lock:
-            self._epoch = epoch
-            if self._thread is None and not self._closed.is_set():
+            if self._wait != (epoch, step):
+                self._wait, self._since, self._settled = (epoch, step), time.monotonic(), False
+            if self._thread is None and not self._settled and not self._closed.is_set():
                 self._thread = threading.Thread(target=self._run, daemon=True,
                                                 name="elastic-silent-peers")
                 self._thread.start()
@@ -91,7 +116,7 @@ class SilentPeerWatch:
     def resumed(self) -> None:
         """The workers completed the step they waited in."""
         with self._lock:
-            self._epoch = None
+            self._settled = True
 
     def close(self) -> None:
         """Stops checking (the agent is stopping)."""
@@ -100,17 +125,19 @@ class SilentPeerWatch:
     def _run(self) -> None:
         while True:
             with self._lock:
-                epoch = self._epoch
-                if epoch is None or self._closed.is_set():
+                wait = self._wait
+                if time.monotonic() - self._since > self._limit:
+                    self._settled = True
+                if wait is None or self._settled or self._closed.is_set():
                     self._thread = None
                     return
             try:
-                done = self._check(epoch)
+                done = self._check(wait[0])
             except Exception:  # a check must never take the agent down
                 logger.exception("checking for silent peers failed")
                 done = True
             if done:
                 with self._lock:
-                    if self._epoch == epoch:
-                        self._epoch = None
+                    if self._wait == wait:
+                        self._settled = True
             self._closed.wait(self._interval)

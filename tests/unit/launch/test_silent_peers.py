@@ -7,7 +7,7 @@ from __future__ import annotations
 import threading
 import time
 
-from launch.silent_peers import SilentPeerWatch
+from launch.silent_peers import SilentPeerWatch, watched_peers
 
 
 class _Checks:
@@ -33,8 +33,8 @@ def _idle(watch: SilentPeerWatch, timeout: float = 5.0) -> bool:
 
 def test_it_checks_the_stalled_epoch_until_the_workers_resume() -> None:
     checks = _Checks()
-    watch = SilentPeerWatch(checks, interval=0.01)
-    watch.stalled(7)
+    watch = SilentPeerWatch(checks, limit=60, interval=0.01)
+    watch.stalled(7, 70)
     assert checks.called.wait(5)
     time.sleep(0.1)
     watch.resumed()
@@ -47,12 +47,12 @@ def test_it_checks_the_stalled_epoch_until_the_workers_resume() -> None:
 
 def test_it_stops_when_a_check_removed_a_peer_and_starts_again_on_the_next_stall() -> None:
     checks = _Checks(stop_after=1)
-    watch = SilentPeerWatch(checks, interval=0.01)
-    watch.stalled(3)
+    watch = SilentPeerWatch(checks, limit=60, interval=0.01)
+    watch.stalled(3, 30)
     assert _idle(watch)
     assert checks.epochs == [3]
     checks.stop_after = 2
-    watch.stalled(4)
+    watch.stalled(4, 40)
     assert _idle(watch)
     assert checks.epochs == [3, 4]
 
@@ -61,15 +61,43 @@ def test_a_failing_check_stops_the_watch_instead_of_killing_the_agent() -> None:
     def broken(epoch: int) -> bool:
         raise RuntimeError("etcd said no")
 
-    watch = SilentPeerWatch(broken, interval=0.01)
-    watch.stalled(1)
+    watch = SilentPeerWatch(broken, limit=60, interval=0.01)
+    watch.stalled(1, 10)
     assert _idle(watch)
 
 
 def test_a_closed_watch_never_checks() -> None:
     checks = _Checks()
-    watch = SilentPeerWatch(checks, interval=0.01)
+    watch = SilentPeerWatch(checks, limit=60, interval=0.01)
     watch.close()
-    watch.stalled(1)
+    watch.stalled(1, 10)
     time.sleep(0.1)
     assert checks.epochs == [] and watch._thread is None
+
+
+def test_a_wait_is_checked_only_until_a_silent_peers_lease_would_have_expired_anyway() -> None:
+    checks = _Checks()
+    watch = SilentPeerWatch(checks, limit=0.2, interval=0.01)
+    watch.stalled(5, 50)
+    assert _idle(watch)  # it gave up by itself, without a resume
+    count = len(checks.epochs)
+    assert count >= 2
+    watch.stalled(5, 50)  # the same wait, reported again: not checked again
+    assert _idle(watch)
+    assert len(checks.epochs) == count
+    watch.stalled(5, 51)  # the next step's wait is
+    assert _idle(watch)
+    assert len(checks.epochs) > count
+
+
+def test_each_node_checks_the_next_few_members_so_every_member_is_checked_by_as_many() -> None:
+    members = [f"n{i}" for i in range(10)]
+    assert watched_peers(members, "n0") == ["n1", "n2", "n3"]
+    assert watched_peers(members, "n8") == ["n9", "n0", "n1"]
+    assert watched_peers(["a", "b", "c"], "b") == ["c", "a"]
+    assert watched_peers(["a", "b"], "z") == []
+    checked_by = {m: 0 for m in members}
+    for me in members:
+        for peer in watched_peers(members, me):
+            checked_by[peer] += 1
+    assert set(checked_by.values()) == {3}
