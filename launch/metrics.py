@@ -227,6 +227,12 @@ class NodeMetrics:
         with self._lock:
             self._observe(record)
 
+    def write_many(self, items: Iterable[tuple[Mapping[str, Any], bool]]) -> None:
+        """Updates the series from several records (a worker's batch), under one lock."""
+        with self._lock:
+            for record, _durable in items:
+                self._observe(record)
+
     def flush(self, timeout: float) -> bool:
         """Nothing is buffered."""
         return True

@@ -209,6 +209,7 @@ def test_an_agent_logs_rank_zeros_records_and_counts_its_reporters_steps(
         for step in range(5):
             reporter.record("step", round=0, step=step, duration_s=0.01, world=2)
             other.record("step", round=0, step=step, duration_s=0.01, world=2, durable=False)
+        reporter.flush(1.0)  # what a worker's loop does at its end (steps are coalesced)
     finally:
         telemetry.close()  # takes what is still queued on the socket
         events.close()
