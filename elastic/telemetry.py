@@ -22,13 +22,15 @@ datagrams on the agent's socket (10 by default), so a busy agent can briefly ref
 Every drop is counted, and each datagram carries the worker's count so far (``dropped``), which
 the agent exports as ``elastic_run_telemetry_dropped_total``.
 
-Step records are coalesced: a step record waits in the sender (at most :data:`COALESCE_S`,
-then a daemon thread sends what is waiting) and goes with the steps after it in one datagram,
-so a worker makes one system call, and its agent decodes, projects and logs one message, per
-tenth of a second rather than per step (at 60 steps/s that was most of what telemetry cost a
-step). Any other record (a save, a failure) is sent at once, together with the steps waiting
-before it, so records keep their order. A worker SIGKILLed loses at most its last
-:data:`COALESCE_S` of steps; one that exits sends them (``atexit``).
+Step records are coalesced: a step record waits in the sender and goes with the steps after
+it in one datagram, sent by the first step recorded :data:`COALESCE_S` or more after the
+oldest waiting one, so a worker makes one system call, and its agent decodes, projects and logs
+one message, per tenth of a second rather than per step (at 60 steps/s that was most of what
+telemetry cost a step). A loop that stops recording (a hang, its end) leaves its last steps to
+a daemon thread, which sends them 1.5 x :data:`COALESCE_S` after the oldest. Any other record
+(a save, a failure) is sent at once, together with the steps waiting before it, so records
+keep their order. A worker SIGKILLed loses at most its last 0.15 s of steps; one that exits
+sends them (``atexit``, and the loop's ``close``).
 
 Wire format, version 1: one UTF-8 JSON object per datagram, one record::
 
@@ -65,6 +67,9 @@ _RECONNECT_EVERY_S: Final = 1.0
 _FULL: Final = frozenset({errno.EAGAIN, errno.EWOULDBLOCK, errno.ENOBUFS})
 #: Longest a coalesced step record waits in the worker before it is sent.
 COALESCE_S: Final = 0.1
+#: A coalesced record the training thread has not sent after this many ``COALESCE_S`` (the
+#: loop stopped recording: it hangs, or it finished) is sent by the coalescing thread.
+_STALLED: Final = 1.5
 #: Most records in one datagram (about 200 bytes each: well under :data:`MAX_DATAGRAM`).
 MAX_BATCH: Final = 128
 
@@ -138,7 +143,8 @@ class TelemetrySender:
     Args:
         path: The agent's socket (``ELASTIC_TELEMETRY_SOCKET``).
         backlog: Datagrams kept while the agent's queue is full.
-        coalesce_s: Longest a coalesced record waits before it is sent.
+        coalesce_s: Age of the oldest coalesced record at which the next one sends them all
+            (the coalescing thread sends them at 1.5 times that age).
     """
 
     def __init__(self, path: str, *, backlog: int = DEFAULT_BACKLOG,
@@ -150,7 +156,8 @@ class TelemetrySender:
         self._backlog_max = max(1, backlog)
         self._pending: list[_Item] = []
         self._coalesce_s = coalesce_s
-        self._wake = threading.Event()
+        self._wake = threading.Event()  # set while records are pending
+        self._oldest = 0.0  # monotonic time of the oldest pending record
         self._flusher: threading.Thread | None = None
         self._sock: socket.socket | None = None
         self._next_connect = 0.0
@@ -166,15 +173,23 @@ class TelemetrySender:
         Args:
             record: The event record.
             durable: Whether it belongs in the job log.
-            coalesce: Let it wait (at most ``coalesce_s``) to go with later records in one
+            coalesce: Let it wait (at most 1.5 ``coalesce_s``) to go with later records in one
                 datagram; otherwise it goes now, with every record waiting before it.
         """
         with self._lock:
             self._pending.append((record, durable))
             if coalesce and len(self._pending) < MAX_BATCH:
+                now = time.monotonic()
                 if len(self._pending) == 1:
-                    self._arm()
-                return False
+                    self._oldest = now
+                    if not self._wake.is_set():
+                        self._arm()
+                    return False
+                if now - self._oldest < self._coalesce_s:
+                    return False
+            # Sent by the caller (the training thread) whenever it can: waking the coalescing
+            # thread to send costs the worker more than sending, so that thread only covers
+            # a loop that stopped recording.
             items, self._pending = self._pending, []
             return self._post(items)
 
@@ -221,7 +236,8 @@ class TelemetrySender:
     # -- internals (called with the lock held) ----------------------------------------------
 
     def _arm(self) -> None:
-        """Has the coalescing thread send the pending records ``coalesce_s`` from now."""
+        """Has the coalescing thread watch the pending records (and send them if the caller
+        does not within ``1.5 * coalesce_s``)."""
         if self._flusher is None or not self._flusher.is_alive():
             # A daemon: it dies with the worker (whose atexit drain sends what is pending).
             self._flusher = threading.Thread(target=self._flush_loop, daemon=True,
@@ -230,14 +246,20 @@ class TelemetrySender:
         self._wake.set()
 
     def _flush_loop(self) -> None:
+        due = _STALLED * self._coalesce_s
         while True:
             self._wake.wait()
-            time.sleep(self._coalesce_s)
             with self._lock:
-                self._wake.clear()
-                if self._pending:
+                wait = self._oldest + due - time.monotonic() if self._pending else 0.0
+            if wait > 0:
+                time.sleep(wait)
+                continue
+            with self._lock:
+                if self._pending and time.monotonic() - self._oldest >= due:
                     items, self._pending = self._pending, []
                     self._post(items)
+                if not self._pending:
+                    self._wake.clear()
 
     def _post(self, items: list[_Item]) -> bool:
         """Sends ``items`` as one datagram after the backlog; True when sent now."""
