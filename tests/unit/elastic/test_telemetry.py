@@ -190,7 +190,7 @@ def test_a_temporary_directory_too_deep_for_a_unix_socket_still_works(
         receiver.stop()
 
 
-def test_steps_are_coalesced_and_sent_by_themselves_within_a_tenth_of_a_second(
+def test_steps_are_coalesced_and_sent_without_a_flush_when_the_loop_stops_recording(
     inbox: tuple[_Inbox, TelemetryReceiver],
 ) -> None:
     box, receiver = inbox
