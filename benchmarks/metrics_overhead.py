@@ -12,9 +12,10 @@ the event log written to a local directory, the Prometheus registry); a scraper 
 ``deploy/`` PodMonitor; 1 s makes the scrape's own cost visible).
 
 * **on**: the workers' loops report their events to the agent, as under ``elastic-run``:
-  rank 0 (the node's reporter, and the job log's writer) sends one non-blocking datagram per
-  event, rank 1 none (its records would repeat rank 0's); the agent projects each record onto
-  its series and writes it to the event log;
+  rank 0 (the node's reporter, and the job log's writer) sends its step records coalesced,
+  one non-blocking datagram per tenth of a second, rank 1 builds none (its records would
+  repeat rank 0's); the agent projects each datagram's records onto its series and writes
+  them to the event log;
 * **off**: no socket and no events directory: the loop's event log has no sink.
 
 Two figures, each the median over the repeats of on / off of the repeat's two adjacent blocks
