@@ -50,6 +50,9 @@ AZURE_METADATA_URL: Final = "ELASTIC_AZURE_METADATA_URL"
 EVENTS_DIR: Final = "ELASTIC_EVENTS_DIR"
 """Directory of the job event log (``--events-dir``), read by ``elastic-run goodput``."""
 
+EVENTS_COPY: Final = "ELASTIC_EVENTS_COPY"
+"""Local directory where an agent also appends every record it logs (``--events-copy``)."""
+
 MODE: Final = "ELASTIC_MODE"
 """How membership changes are handled (``--elastic-mode``): ``auto`` (the default: in place
 for scripts that declare it with ``elastic.init(inplace=True)``, restart otherwise),

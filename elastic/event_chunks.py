@@ -34,7 +34,7 @@ import re
 import socket
 import threading
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -151,16 +151,26 @@ class ChunkWriter:
         """Whether records are still written."""
         return not self.failed
 
+    #: Records that are not durable never reach the log.
+    takes_live: Final = False
+
     def write(self, record: Mapping[str, Any], durable: bool) -> None:
         """Buffers a durable record (never blocks on storage)."""
-        if not durable or self.failed:
+        self.write_many(((record, durable),))
+
+    def write_many(self, items: Iterable[tuple[Mapping[str, Any], bool]]) -> None:
+        """Buffers the durable records of ``items``, oldest first, under one lock."""
+        if self.failed:
             return
-        line = json.dumps(record, default=str)
+        lines = [json.dumps(record, default=str) for record, durable in items if durable]
+        if not lines:
+            return
         with self._cond:
-            if len(self._lines) == self._lines.maxlen:
-                self.dropped += 1
-            self._lines.append(line)
-            self._written += 1
+            for line in lines:
+                if len(self._lines) == self._lines.maxlen:
+                    self.dropped += 1
+                self._lines.append(line)
+            self._written += len(lines)
 
     def flush(self, timeout: float) -> bool:
         """Puts everything written so far; True if it is in storage within ``timeout`` s."""

@@ -88,7 +88,7 @@ import re
 import socket
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Final, Protocol
 
@@ -102,6 +102,8 @@ SUFFIX: Final = ".jsonl"
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.-]+")
 #: How long closing a log waits for its records to reach storage.
 CLOSE_TIMEOUT_S: Final = 5.0
+#: The keys every record has; an event's own fields never reuse them.
+ENVELOPE: Final = frozenset({"v", "time", "job", "source", "node", "round", "event"})
 
 
 def node_id(pid: int | None = None) -> str:
@@ -133,6 +135,23 @@ class EventSink(Protocol):
         ...
 
 
+def takes_live(sink: EventSink) -> bool:
+    """Whether ``sink`` wants records that are not durable (a sink says so with a
+    ``takes_live`` attribute; without one it is assumed to)."""
+    return bool(getattr(sink, "takes_live", True))
+
+
+def write_many(sink: EventSink, items: Sequence[tuple[Mapping[str, Any], bool]]) -> None:
+    """Hands ``items`` (``(record, durable)``, oldest first) to ``sink``: at once when it has
+    a ``write_many`` method (one lock, one write for the lot), else one by one."""
+    many = getattr(sink, "write_many", None)
+    if many is not None:
+        many(items)
+        return
+    for record, durable in items:
+        sink.write(record, durable)
+
+
 class FileSink:
     """Appends durable records as JSON lines to this process's own file under ``directory``.
 
@@ -140,6 +159,9 @@ class FileSink:
     see a partial last line of a file still being written, and skips it). The file stays open
     between records (an agent writes a record per training step).
     """
+
+    #: Records that are not durable never reach a file.
+    takes_live: Final = False
 
     def __init__(self, directory: str | os.PathLike[str], *, job: str, source: str) -> None:
         name = ".".join(_UNSAFE.sub("_", part) for part in
@@ -156,15 +178,22 @@ class FileSink:
 
     def write(self, record: Mapping[str, Any], durable: bool) -> None:
         """Appends ``record`` if durable (never raises)."""
-        if not durable or self._failed:
+        self.write_many(((record, durable),))
+
+    def write_many(self, items: Iterable[tuple[Mapping[str, Any], bool]]) -> None:
+        """Appends the durable records of ``items`` with one write (never raises)."""
+        if self._failed:
             return
-        line = json.dumps(record, default=str) + "\n"
+        text = "".join([json.dumps(record, default=str) + "\n"
+                        for record, durable in items if durable])
+        if not text:
+            return
         with self._lock:
             try:
                 if self._file is None:
                     self.path.parent.mkdir(parents=True, exist_ok=True)
                     self._file = self.path.open("a", encoding="utf-8")
-                self._file.write(line)
+                self._file.write(text)
                 self._file.flush()
             except OSError as exc:
                 # An events directory must never take training down: report once, go on.
@@ -222,10 +251,12 @@ class EventLog:
         self.source = source
         self.node = node or node_id()
         self._sinks: list[EventSink] = []
+        # Whether any sink takes live-only records; if none does, record() builds none.
+        self._live = False
         if directory:
             sink = open_sink(directory, job=job, source=source, storage_options=storage_options)
             if sink is not None:
-                self._sinks.append(sink)
+                self.add_sink(sink)
 
     @classmethod
     def from_env(cls, *, source: str = "worker") -> EventLog:
@@ -276,6 +307,7 @@ class EventLog:
     def add_sink(self, sink: EventSink) -> None:
         """Sends every later record to ``sink`` too."""
         self._sinks.append(sink)
+        self._live = self._live or takes_live(sink)
 
     def record(self, event: str, *, round: int | None = None, durable: bool = True,
                **fields: Any) -> None:
@@ -288,17 +320,20 @@ class EventLog:
                 not the job log (a rank other than 0 reporting its step).
             fields: The event's own fields.
         """
-        if not self._sinks:
+        # Called once per training step: cheap when nothing takes the record (a worker that
+        # is not its node's reporter), and no work beyond one dict when something does.
+        if not self._sinks or not (durable or self._live):
             return
         record: dict[str, Any] = {
             "v": FORMAT_VERSION, "time": round_time(time.time()), "job": self.job,
             "source": self.source, "node": self.node, "round": round, "event": event,
         }
-        clashes = sorted(set(fields) & set(record))
-        if clashes:  # a caller's bug; the envelope must stay intact for every reader
+        if ENVELOPE.isdisjoint(fields):
+            record.update(fields)
+        else:  # a caller's bug; the envelope must stay intact for every reader
             logger.warning("Event %s: dropping field(s) %s that name envelope keys.", event,
-                           clashes)
-        record.update((k, v) for k, v in fields.items() if k not in record)
+                           sorted(ENVELOPE & set(fields)))
+            record.update((k, v) for k, v in fields.items() if k not in ENVELOPE)
         self.emit(record, durable=durable)
 
     def emit(self, record: Mapping[str, Any], *, durable: bool = True) -> None:
@@ -310,6 +345,16 @@ class EventLog:
             except Exception:  # a sink's bug must not reach the training or agent loop
                 logger.exception("Event sink %s failed on a %s event.", type(sink).__name__,
                                  record.get("event"))
+
+    def emit_many(self, items: Sequence[tuple[Mapping[str, Any], bool]]) -> None:
+        """Hands already built ``(record, durable)`` items (a worker's batch, oldest first) to
+        every sink, each sink taking the lot at once where it can (never raises)."""
+        for sink in self._sinks:
+            try:
+                write_many(sink, items)
+            except Exception:  # a sink's bug must not reach the agent loop
+                logger.exception("Event sink %s failed on %d records.", type(sink).__name__,
+                                 len(items))
 
     def flush(self, timeout: float = CLOSE_TIMEOUT_S) -> bool:
         """Makes every record so far durable; True if every sink did within ``timeout`` s."""

@@ -14,7 +14,8 @@ torch's own ``get_args_parser()``, extended), plus:
 * ``--preemption-watch`` (and the metadata URL and drain flags): leave the job on a spot
   preemption notice (see :mod:`launch.preemption`);
 * ``--events-dir DIR|URL`` (or ``ELASTIC_EVENTS_DIR``): the job event log (:mod:`elastic.eventlog`),
-  a local directory or any fsspec URL (``s3://...``);
+  a local directory or any fsspec URL (``s3://...``); ``--events-copy DIR`` (or
+  ``ELASTIC_EVENTS_COPY``) also appends the agent's records to a local file as it records them;
 * ``--metrics-port PORT`` (or ``ELASTIC_METRICS_PORT``) and ``--metrics-host``: serve the node's
   Prometheus metrics at ``/metrics`` (:mod:`launch.metrics`);
 * ``--elastic-mode auto|inplace|restart`` (or ``ELASTIC_MODE``), ``--inplace-ttl``,
@@ -195,6 +196,13 @@ def _add_preemption_flags(group: argparse._ArgumentGroup) -> None:
         help=f"Write the job event log (JSON lines) under this directory or fsspec URL, e.g. "
         f"s3://bucket/job/events (env {env.EVENTS_DIR}; S3 endpoint and keys from the "
         f"environment: FSSPEC_S3_ENDPOINT_URL, AWS_*); read it with '{PROG} goodput DIR'.",
+    )
+    group.add_argument(
+        "--events-copy", dest="events_copy", type=str,
+        default=os.environ.get(env.EVENTS_COPY) or None,
+        help=f"Also append every record this agent logs to a file of its own under this local "
+        f"directory, on disk as it is recorded: a local copy of what --events-dir gets, to "
+        f"check a remote log against (env {env.EVENTS_COPY}; default: off).",
     )
     group.add_argument(
         "--metrics-port", dest="metrics_port", type=int,

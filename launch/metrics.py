@@ -197,6 +197,11 @@ class NodeMetrics:
         goodput.labels(*labels).set_function(self._goodput)
         self._events = counter("events", "Event records seen, by event.", "event")
         self._event_counts: dict[str, Any] = {}
+        # Updates a batch of records makes once, at its end (_publish).
+        self._tally: collections.Counter[str] = collections.Counter()
+        self._new_steps = 0
+        self._newest: tuple[int, float] | None = None
+        self._newest_world: int | None = None
         self._labels = labels
         self._drops = _DropCollector(labels)
         reg.register(self._drops)
@@ -226,6 +231,16 @@ class NodeMetrics:
         """Updates the series from one record (durable or live)."""
         with self._lock:
             self._observe(record)
+            self._publish()
+
+    def write_many(self, items: Iterable[tuple[Mapping[str, Any], bool]]) -> None:
+        """Updates the series from several records (a worker's batch), under one lock; the
+        step counters and gauges move once per batch, to where the records one by one would
+        have left them."""
+        with self._lock:
+            for record, _durable in items:
+                self._observe(record)
+            self._publish()
 
     def flush(self, timeout: float) -> bool:
         """Nothing is buffered."""
@@ -286,15 +301,32 @@ class NodeMetrics:
             self._seen.popitem(last=False)
         return True
 
+    def _publish(self) -> None:
+        """Applies the counts and the newest step gathered since the last call (each
+        Prometheus update takes a lock of its own: once per batch, not per record)."""
+        for event, count in self._tally.items():
+            counted = self._event_counts.get(event)
+            if counted is None:
+                counted = self._events.labels(*self._labels,
+                                              event if event in KNOWN_EVENTS else "other")
+                if event in KNOWN_EVENTS:
+                    self._event_counts[event] = counted
+            counted.inc(count)
+        self._tally.clear()
+        if self._new_steps:
+            self.steps.inc(self._new_steps)
+            self._new_steps = 0
+        if self._newest is not None:
+            self.last_step.set(self._newest[0])
+            self.last_step_time.set(self._newest[1])
+            self._newest = None
+        if self._newest_world is not None:
+            self.world_size.set(self._newest_world)
+            self._newest_world = None
+
     def _observe(self, record: Mapping[str, Any]) -> None:
         event = str(record.get("event"))
-        counted = self._event_counts.get(event)
-        if counted is None:
-            counted = self._events.labels(*self._labels,
-                                          event if event in KNOWN_EVENTS else "other")
-            if event in KNOWN_EVENTS:
-                self._event_counts[event] = counted
-        counted.inc()
+        self._tally[event] += 1
         when = _number(record.get("time"))
         label = record.get("round")
         agent = record.get("source") == "agent"
@@ -350,12 +382,11 @@ class NodeMetrics:
             return
         duration = _number(record.get("duration_s")) or 0.0
         world = record.get("world") if isinstance(record.get("world"), int) else None
-        self.steps.inc()
+        self._new_steps += 1
         self.step_seconds.observe(duration)
-        self.last_step.set(step)
-        self.last_step_time.set(end)
+        self._newest = (step, end)
         if world is not None:
-            self.world_size.set(world)
+            self._newest_world = world
         if step <= self._max_step:
             self.redone.inc()
             self._productive -= self._durations.get(step, 0.0)

@@ -17,7 +17,7 @@ from datetime import timedelta
 from typing import Any, Final
 
 from elastic import env
-from elastic.eventlog import EventLog, process_started_at
+from elastic.eventlog import EventLog, FileSink, process_started_at
 from elastic.rdzv.records import RecordError
 from elastic_errors import ConfigError, EtcdUnavailableError
 from launch.exit_codes import EXIT_RENDEZVOUS, PROG
@@ -147,6 +147,10 @@ def run(args: argparse.Namespace) -> int:
     entrypoint, worker_args = guarded_command(cmd, cmd_args)
     command = WorkerCommand((entrypoint, *worker_args), worker_base_env(os.environ))
     events = EventLog(args.events_dir, job=config.run_id, source="agent")
+    if args.events_copy:
+        # Synchronous and local: the ground truth a remote log (whose puts lag by up to a
+        # second) is checked against.
+        events.add_sink(FileSink(args.events_copy, job=config.run_id, source="agent"))
     # The workers report to this agent over a local socket; with --metrics-port the node's
     # Prometheus series are one more sink of its event log.
     telemetry = NodeTelemetry(events, metrics_port=args.metrics_port,

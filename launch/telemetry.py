@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, Final
 from elastic import env
 from elastic.event_chunks import ChunkWriter
 from elastic.eventlog import EventLog
-from elastic.telemetry import MAX_DATAGRAM, decode
+from elastic.telemetry import MAX_DATAGRAM, Datagram, decode_all
 from launch.socket_dirs import private_socket_dir
 
 if TYPE_CHECKING:
@@ -52,10 +52,15 @@ class TelemetryReceiver:
         deliver: Called with each record and its durable flag, on the receiver thread; it must
             not block for long (the workers' datagrams queue meanwhile, up to the kernel's
             limit, then wait in the workers' backlogs).
+        deliver_many: Called instead of ``deliver`` with every record of one pass over the
+            socket, ``(record, durable)`` oldest first, where one call for the lot is cheaper.
     """
 
-    def __init__(self, deliver: Callable[[dict[str, Any], bool], None]) -> None:
+    def __init__(self, deliver: Callable[[dict[str, Any], bool], None], *,
+                 deliver_many: Callable[[list[tuple[dict[str, Any], bool]]], None] | None = None,
+                 ) -> None:
         self._deliver = deliver
+        self._deliver_many = deliver_many
         self._dir: str | None = None
         self._sock: socket.socket | None = None
         self._thread: threading.Thread | None = None
@@ -98,9 +103,11 @@ class TelemetryReceiver:
             self._thread.join(timeout)
         if self._sock is not None:
             # What the workers sent just before they exited is still queued: take it.
+            payloads: list[bytes] = []
             with contextlib.suppress(OSError):
                 while True:
-                    self._handle(self._sock.recv(MAX_DATAGRAM + 1024))
+                    payloads.append(self._sock.recv(MAX_DATAGRAM + 1024))
+            self._handle(payloads)
             self._sock.close()
             self._sock = None
         if self._dir is not None:
@@ -126,21 +133,35 @@ class TelemetryReceiver:
                     return
                 logger.exception("The telemetry socket failed; worker records are off.")
                 return
-            for payload in payloads:
-                self._handle(payload)
+            if payloads:
+                self._handle(payloads)
 
-    def _handle(self, payload: bytes) -> None:
-        datagram = decode(payload)
-        if datagram is None:
-            logger.debug("Ignoring a datagram that is not telemetry (%d bytes).", len(payload))
+    def _handle(self, payloads: list[bytes]) -> None:
+        datagrams: list[Datagram] = []
+        for payload in payloads:
+            decoded = decode_all(payload)
+            if not decoded:
+                logger.debug("Ignoring a datagram that is not telemetry (%d bytes).",
+                             len(payload))
+            datagrams += decoded
+        if not datagrams:
             return
-        self.received += 1
-        if datagram.pid >= 0:
-            self._dropped_by_pid[datagram.pid] = datagram.dropped
-        try:
-            self._deliver(datagram.record, datagram.durable)
-        except Exception:  # one bad record must not end the receiver
-            logger.exception("Delivering a %s record failed.", datagram.record.get("event"))
+        self.received += len(datagrams)
+        for datagram in datagrams:
+            if datagram.pid >= 0:
+                self._dropped_by_pid[datagram.pid] = datagram.dropped
+        if self._deliver_many is not None:
+            try:
+                self._deliver_many([(d.record, d.durable) for d in datagrams])
+            except Exception:  # one bad batch must not end the receiver
+                logger.exception("Delivering %d records failed.", len(datagrams))
+            return
+        for datagram in datagrams:
+            try:
+                self._deliver(datagram.record, datagram.durable)
+            except Exception:  # one bad record must not end the receiver
+                logger.exception("Delivering a %s record failed.",
+                                 datagram.record.get("event"))
 
 
 class NodeTelemetry:
@@ -190,7 +211,8 @@ class NodeTelemetry:
             self.metrics = metrics
             self.events.add_sink(metrics)
         if self.events.enabled:
-            self.receiver = TelemetryReceiver(self._deliver).start()
+            self.receiver = TelemetryReceiver(self._deliver,
+                                              deliver_many=self.events.emit_many).start()
         if self.metrics is not None:
             receiver = self.receiver
             self.metrics.add_drop_source("telemetry",

@@ -333,6 +333,9 @@ class ElasticLoop(MicroBatching, ManagedWay, InPlaceHooks, StepAgreement, LoopRe
             self.checkpoint.close(wait=wait)
         if self._inplace is not None:
             self._inplace.finish(self.step, finished=self.finished)
+        # Step records wait up to a tenth of a second to go to the agent together: send the
+        # last ones now, without waiting on anything.
+        self._events.flush(0.0)
 
     def request_drain(self) -> None:
         """Asks the loop to save and stop at the next step boundary (what SIGTERM does)."""

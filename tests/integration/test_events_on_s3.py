@@ -1,6 +1,9 @@
 """Acceptance 3 of the event log on object storage: moto's S3 server on 127.0.0.1.
 
 * a writer process SIGKILLed mid-run loses at most its last second of events;
+* a real ``elastic-run`` agent of a 3-node job SIGKILLed mid-run (the one writing the steps)
+  loses at most its last second: every record its ``--events-copy`` (a local file appended as
+  it records) holds from before that second is in S3;
 * three writer processes (agents) putting chunks of one job at once lose nothing: the goodput
   report read from ``s3://`` equals the one read from the local files they wrote alongside;
 * a real 3-node ``elastic-run`` job with ``--events-dir s3://...`` and a worker kill: every
@@ -13,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -150,3 +154,58 @@ def test_a_real_three_node_job_logs_every_step_once_to_s3(
     assert json.loads(remote.stdout) == json.loads(copy.stdout)
     (report,) = json.loads(remote.stdout)
     assert report["finished"] and report["steps"] == STEPS
+
+
+def _lines(records: list[dict[str, Any]]) -> set[str]:
+    return {json.dumps(r, sort_keys=True) for r in records}
+
+
+@pytest.mark.etcd
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_a_real_agent_sigkilled_mid_run_loses_at_most_its_last_second(
+    request: pytest.FixtureRequest, endpoint: str, bucket: str, tmp_path: Path,
+) -> None:
+    etcd: Any = etcd_or_skip(request)
+    url = f"s3://{bucket}/job/events"
+    copies = tmp_path / "copies"
+    steps = 400  # 0.05 s each: the job trains for the whole test
+
+    def copy_of(pid: int) -> list[dict[str, Any]]:
+        return [e for e in read_events(copies) if e["node"] == f"{socket.gethostname()}/{pid}"]
+
+    with cluster(tmp_path, etcd.endpoint, f"s3kill-{uuid.uuid4().hex[:8]}") as c:
+        c.env.update(_child_env(endpoint))
+        job = InPlaceJob(c, tmp_path, ("--nnodes", "1:3", "--max-restarts", "3",
+                                       "--inplace-ttl", "5", "--events-dir", url,
+                                       "--events-copy", str(copies)), mode=None, steps=steps)
+        job.open_gate(0)
+        agents = [job.start_node(0.05) for _ in range(3)]
+        job.wait_for(lambda a: len(job.current_world(a)[1]) == 3, "a world of 3")
+        job.open_gate(steps)
+        # The agent of global rank 0 logs every step: the busiest writer, the one to kill.
+        writer = job.wait_for(
+            lambda a: next((agent for agent in agents
+                            if sum(e["event"] == "step" for e in copy_of(agent.pid)) >= 60),
+                           None),
+            "an agent to log 60 steps (3 s of training)")
+        killed_at = time.time()
+        kill([writer.pid], signal.SIGKILL)
+        assert writer.proc.wait(10) == -signal.SIGKILL
+        # Its records: the local copy it appended as it recorded them, and what reached S3.
+        copied = copy_of(writer.pid)
+    in_s3 = [e for e in read_events(url, _options(endpoint))
+             if e["node"] == f"{socket.gethostname()}/{writer.pid}"]
+    due = [r for r in copied if r["time"] <= killed_at - 1.0]
+    assert sum(r["event"] == "step" for r in due) >= 30, "too few records to test anything"
+    missing = _lines(due) - _lines(in_s3)
+    assert not missing, (f"{len(missing)} of the {len(due)} records logged more than 1 s "
+                         f"before the kill are not in S3; the newest: "
+                         f"{max(missing, key=lambda line: json.loads(line)['time'])}")
+    assert _lines(in_s3) <= _lines(copied), "S3 holds records the agent never logged"
+    newest = max(r["time"] for r in in_s3)
+    lost = sorted(r["time"] for r in copied if json.dumps(r, sort_keys=True)
+                  not in _lines(in_s3))
+    print(f"killed {killed_at - newest:.2f} s after its newest record in S3; "
+          f"{len(lost)} of {len(copied)} records lost, the oldest "
+          f"{killed_at - lost[0] if lost else 0:.2f} s before the kill")

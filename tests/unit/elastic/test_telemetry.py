@@ -188,3 +188,56 @@ def test_a_temporary_directory_too_deep_for_a_unix_socket_still_works(
         assert [r["step"] for r, _ in box.wait_for(1)] == [3]
     finally:
         receiver.stop()
+
+
+def test_steps_are_coalesced_and_sent_without_a_flush_when_the_loop_stops_recording(
+    inbox: tuple[_Inbox, TelemetryReceiver],
+) -> None:
+    box, receiver = inbox
+    sender = TelemetrySender(receiver.path, coalesce_s=0.1)
+    began = time.monotonic()
+    for step in range(5):
+        assert not sender.send({"event": "step", "step": step}, durable=True, coalesce=True)
+    assert sender.pending == 5 and sender.sent == 0
+    items = box.wait_for(5, timeout=2.0)  # no flush: the coalescing thread sends them
+    assert time.monotonic() - began < 1.0
+    assert [r["step"] for r, _ in items] == [0, 1, 2, 3, 4]
+    assert sender.sent == 5 and sender.pending == 0
+
+
+def test_any_other_record_takes_the_waiting_steps_along_in_order(
+    inbox: tuple[_Inbox, TelemetryReceiver],
+) -> None:
+    box, _receiver = inbox
+    sender = TelemetrySender(_receiver.path, coalesce_s=60.0)  # the thread would never send
+    sender.send({"event": "step", "step": 1}, durable=True, coalesce=True)
+    sender.send({"event": "step", "step": 1}, durable=False, coalesce=True)
+    assert sender.send({"event": "checkpoint", "step": 2}, durable=True)
+    items = box.wait_for(3)
+    assert [(r["event"], d) for r, d in items] == [("step", True), ("step", False),
+                                                   ("checkpoint", True)]
+
+
+def test_a_batch_too_large_for_one_datagram_goes_in_pieces(
+    inbox: tuple[_Inbox, TelemetryReceiver],
+) -> None:
+    box, _receiver = inbox
+    sender = TelemetrySender(_receiver.path, coalesce_s=60.0)
+    filler = "x" * 5000  # 20 of these are more than one datagram holds
+    for step in range(20):
+        sender.send({"event": "step", "step": step, "note": filler}, durable=True,
+                    coalesce=True)
+    sender.send_pending()
+    assert [r["step"] for r, _ in box.wait_for(20)] == list(range(20))
+    assert sender.dropped == 0
+
+
+def test_a_batch_decodes_to_its_records_and_decode_takes_single_records_only() -> None:
+    from elastic.telemetry import decode_all, encode_batch
+
+    payload = encode_batch([({"event": "step", "step": 1}, True),
+                            ({"event": "step", "step": 1}, False)], pid=7, dropped=2)
+    assert [(d.record["step"], d.durable, d.pid, d.dropped) for d in decode_all(payload)] == [
+        (1, True, 7, 2), (1, False, 7, 2)]
+    assert decode(payload) is None
+    assert decode_all(b"not json") == []

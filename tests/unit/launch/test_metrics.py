@@ -209,6 +209,7 @@ def test_an_agent_logs_rank_zeros_records_and_counts_its_reporters_steps(
         for step in range(5):
             reporter.record("step", round=0, step=step, duration_s=0.01, world=2)
             other.record("step", round=0, step=step, duration_s=0.01, world=2, durable=False)
+        reporter.flush(1.0)  # what a worker's loop does at its end (steps are coalesced)
     finally:
         telemetry.close()  # takes what is still queued on the socket
         events.close()
@@ -218,3 +219,19 @@ def test_an_agent_logs_rank_zeros_records_and_counts_its_reporters_steps(
     assert telemetry.receiver.received == 5  # the other worker sent nothing to repeat
     logged = [e["step"] for e in read_events(tmp_path) if e["event"] == "step"]
     assert logged == [0, 1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("batch", [1, 3, 8, 1000])
+def test_records_in_batches_give_the_series_they_give_one_by_one(batch: int) -> None:
+    clock = lambda: T0 + 20.0  # noqa: E731 - the goodput gauge reads it
+    records = _restart_job()
+    one_by_one = NodeMetrics(job=JOB, node=NODE, clock=clock)
+    _feed(one_by_one, records)
+    batched = NodeMetrics(job=JOB, node=NODE, clock=clock)
+    for first in range(0, len(records), batch):
+        batched.write_many(records[first:first + batch])
+    def values(metrics: NodeMetrics) -> dict[Any, float]:  # *_created: when, not what
+        return {k: v for k, v in _read(metrics).items() if not k[0].endswith("_created")}
+
+    assert values(batched) == values(one_by_one)
+    assert values(batched)[("elastic_run_last_step", ())] == 12
