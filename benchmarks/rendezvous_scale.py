@@ -570,6 +570,7 @@ def ours_round(nodes: int, processes: int, endpoint: str, *, workers: int, ttl: 
     for p in [*helpers, *procs]:
         p.start()
     load: LoadResult | None = None
+    result: RoundResult | None = None
     try:
         for c in conns:
             _recv(c, 120, "ready")
@@ -601,7 +602,14 @@ def ours_round(nodes: int, processes: int, endpoint: str, *, workers: int, ttl: 
                     "leases_lost": leases_lost})
         if len(finished) == nodes:
             epoch = max(r[6] for r in replies)
-            load = _steady_and_loss(conns, kconns, nodes, workers, ttl, steady, cap, epoch)
+            try:
+                load = _steady_and_loss(conns, kconns, nodes, workers, ttl, steady, cap, epoch)
+            except (TimeoutError, EOFError, OSError) as exc:
+                # The round is measured and complete: a failure in the window after it
+                # costs the steady-load row, not the round.
+                print(f"warning: {OURS} N={nodes}: the round completed, but the steady load "
+                      f"after it could not be measured: {exc}", file=sys.stderr, flush=True)
+                result.detail["steady_error"] = repr(exc)
         for c in conns:
             c.send(("halt",))
         for c in conns:
@@ -613,8 +621,9 @@ def ours_round(nodes: int, processes: int, endpoint: str, *, workers: int, ttl: 
                 _recv(c, 120, "stop")
     except (TimeoutError, EOFError, OSError) as exc:
         print(f"warning: {OURS} N={nodes}: {exc}", file=sys.stderr, flush=True)
-        result = RoundResult(OURS, nodes, None, 0, cap, 0, 0, nodes,
-                             detail={"first_error": repr(exc)})
+        if result is None:
+            result = RoundResult(OURS, nodes, None, 0, cap, 0, 0, nodes,
+                                 detail={"first_error": repr(exc)})
     finally:
         for c in kconns:
             with contextlib.suppress(OSError):
