@@ -656,6 +656,15 @@ class InPlaceController:
         if not finished:
             return
         if self.world is not None and self.world.ranks()[:1] == (self.me,):
+            if not self.may_commit():
+                # Its world may no longer be the job's: a node cut off from etcd trains on
+                # alone in a world of one, and the commit fence refused its final checkpoint.
+                # Ending the job now would end it without that checkpoint; exiting as a
+                # failure of the partition (not charged) lets the job finish it instead.
+                logger.warning("finished step %d in world epoch %d, which may no longer be "
+                               "the job's (this node's lease is not fresh): not ending the job",
+                               step, self.world.epoch)
+                raise SystemExit(1)
             self.link.send("finished", step=step)
         self.link.close()
 

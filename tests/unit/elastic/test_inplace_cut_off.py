@@ -141,3 +141,57 @@ def test_a_departing_worker_left_out_of_the_next_world_is_not_aborted(
     ctl._guard = guard = WorldAbort(name="epoch 1")
     _tell(agent, ctl, _world(2, ("n1", "0.1"), departed=("n0/0.1",)))
     assert not guard.aborted  # a planned change: it leaves at a step boundary
+
+
+class _Recorder(_Agent):
+    """An agent end that also keeps what the worker sent."""
+
+    def __init__(self) -> None:
+        self.received: list[dict[str, Any]] = []
+        super().__init__()
+
+    def _on_message(self, connection: WorkerConnection, message: dict[str, Any]) -> None:
+        self.received.append(message)
+        super()._on_message(connection, message)
+
+
+def _finishing_rank0(agent: _Agent) -> tuple[AgentLink, InPlaceController]:
+    link = AgentLink(agent.server.path, local_rank=0, incarnation=1)
+    ctl = InPlaceController(link, backend="gloo", device=torch.device("cpu"),
+                            build_timeout=timedelta(seconds=5), train_timeout=None)
+    assert link.wait(lambda lk: lk.me == "n0/0.1", 5.0)
+    ctl.world = _world(3, ("n0", "0.1"))  # a world of one: it trains on while cut off
+    return link, ctl
+
+
+def test_a_rank_zero_cut_off_from_etcd_does_not_end_the_job_when_it_finishes() -> None:
+    # Its final checkpoint was fenced off: ending the job now would end it without one. It
+    # exits as a failure of the partition instead, and the job finishes the steps again.
+    agent = _Recorder()
+    link, ctl = _finishing_rank0(agent)
+    try:
+        agent.server.broadcast({"type": "lease", "lease_ok": False})
+        assert link.wait(lambda lk: not lk.lease_ok, 5.0)
+        with pytest.raises(SystemExit) as exited:
+            ctl.finish(60, finished=True)
+        assert exited.value.code == 1
+        time.sleep(0.2)
+        assert not [m for m in agent.received if m.get("type") == "finished"]
+    finally:
+        link.close()
+        agent.server.close()
+
+
+def test_a_rank_zero_in_the_jobs_world_ends_the_job_when_it_finishes() -> None:
+    agent = _Recorder()
+    link, ctl = _finishing_rank0(agent)
+    try:
+        ctl.finish(60, finished=True)
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and not [
+                m for m in agent.received if m.get("type") == "finished"]:
+            time.sleep(0.05)
+        assert [m.get("step") for m in agent.received if m.get("type") == "finished"] == [60]
+    finally:
+        link.close()
+        agent.server.close()
