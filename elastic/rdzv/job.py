@@ -156,6 +156,7 @@ class RunMembership:
         self.view = JobView(client, keys, on_change=on_change)
         self.leader = LeaderLoop(client, keys, self.node, self.view, limits, self.end)
         self._stopped = threading.Event()
+        self._ending = threading.Lock()  # held while this node records the run's end
         self._repairs = threading.Thread(target=self._repair_records, daemon=True,
                                          name="elastic-record-repair")
 
@@ -198,10 +199,19 @@ class RunMembership:
 
     def end(self, end: EndRecord) -> bool:
         """Ends the run (once, whoever calls first); returns whether this call did."""
-        return end_run(self.client, self.keys, end, linger=self.linger)
+        with self._ending:
+            return end_run(self.client, self.keys, end, linger=self.linger)
 
     def leave(self) -> None:
-        """Stops leading, revokes the lease (the node record goes at once), stops watching."""
+        """Stops leading, revokes the lease (the node record goes at once), stops watching.
+
+        An end in progress on another thread (the leader's, when every member is done)
+        completes first: the others see its end record as soon as its first write lands
+        and leave, and the process must not exit before the job generation is marked ended
+        (nodes that come late read it). Each of its etcd calls is bounded by the deadline.
+        """
+        if self._ending.acquire(timeout=self.client.config.deadline.total_seconds()):
+            self._ending.release()
         self._stopped.set()
         self.leader.stop()
         self.node.leave()
