@@ -101,37 +101,28 @@ def encode_batch(items: list[_Item], *, pid: int, dropped: int) -> bytes:
                       default=str, separators=(",", ":")).encode()
 
 
-def decode(payload: bytes) -> Datagram | None:
-    """The one-record datagram in ``payload``, or ``None`` when it is not one (foreign,
-    damaged, or a batch: see :func:`decode_all`)."""
-    datagrams, batch = _parse(payload)
-    return datagrams[0] if len(datagrams) == 1 and not batch else None
-
-
 def decode_all(payload: bytes) -> list[Datagram]:
     """Every record in ``payload`` (one, or a batch), oldest first; empty when it is not
     telemetry (foreign or damaged). A batch's malformed items are skipped."""
-    return _parse(payload)[0]
+    return _parse(payload)
 
-
-def _parse(payload: bytes) -> tuple[list[Datagram], bool]:
+def _parse(payload: bytes) -> list[Datagram]:
     try:
         message = json.loads(payload)
     except (ValueError, UnicodeDecodeError):
-        return [], False
+        return []
     if not isinstance(message, dict) or message.get("v") != WIRE_VERSION:
-        return [], False
+        return []
     pid, dropped = message.get("pid"), message.get("dropped")
     pid = pid if isinstance(pid, int) else -1
     dropped = dropped if isinstance(dropped, int) else 0
     items: Any = message.get("records")
-    batch = isinstance(items, list)
-    if not batch:
+    if not isinstance(items, list):
         items = [[message.get("durable"), message.get("record")]]
     return [Datagram(record=item[1], durable=bool(item[0]), pid=pid, dropped=dropped)
             for item in items
             if isinstance(item, list) and len(item) == 2 and isinstance(item[1], dict)
-            and isinstance(item[1].get("event"), str)], batch
+            and isinstance(item[1].get("event"), str)]
 
 
 class TelemetrySender:
