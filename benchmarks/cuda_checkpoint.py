@@ -175,7 +175,9 @@ class DcpStager:
 
 
 def run_size(size_gib: float, repeats: int, tmp: str, pause: float,
-             device: torch.device) -> tuple[int, dict[str, Timing]]:
+             device: torch.device) -> tuple[int, dict[str, Timing], dict[str, str]]:
+    """Times every method on one state size; a DCP method that raises is dropped from the
+    remaining repeats and reported as failed (the floor and ours must not fail)."""
     state = build_state(size_gib, device)
     size = nbytes(state)
     floor = Floor(state, device)
@@ -184,13 +186,25 @@ def run_size(size_gib: float, repeats: int, tmp: str, pause: float,
     methods: dict[str, Method] = {FLOOR: floor, OURS: ours, DCP_CACHED: cached,
                                   DCP_STAGER: stager}
     timings = {name: Timing() for name in methods}
+    failed: dict[str, str] = {}
     try:
         for rep in range(repeats + 1):
             for name, fn in methods.items():
+                if name in failed:
+                    continue
                 where = os.path.join(tmp, uuid.uuid4().hex[:8])
                 settle(pause)
                 torch.cuda.synchronize(device)  # nothing queued is counted against a method
-                blocking, durable = fn(state, where)
+                try:
+                    blocking, durable = fn(state, where)
+                except Exception as exc:  # a baseline's bug in this torch must not hide ours
+                    if name in (FLOOR, OURS):
+                        raise
+                    failed[name] = f"{type(exc).__name__}: {exc}".splitlines()[0][:120]
+                    print(f"  {size_gib:g} GiB rep {rep} {name}: failed: {failed[name]}",
+                          file=sys.stderr, flush=True)
+                    shutil.rmtree(where, ignore_errors=True)
+                    continue
                 if rep > 0:  # rep 0 is the warm-up
                     timings[name].add(blocking, durable)
                 shutil.rmtree(where, ignore_errors=True)
@@ -200,37 +214,44 @@ def run_size(size_gib: float, repeats: int, tmp: str, pause: float,
     finally:
         ours.close()
         stager.close()
-    return size, timings
+    return size, {n: t for n, t in timings.items() if n not in failed}, failed
 
 
 # ------------------------------------------------------------------------------------- report
-def report(rows: list[tuple[float, int, dict[str, Timing]]], header: str) -> str:
+Row = tuple[float, int, dict[str, Timing], dict[str, str]]
+
+
+def report(rows: list[Row], header: str) -> str:
     lines = [header, "",
              "| size | method | blocking s (median) | blocking / floor | durable s (median) |",
              "|---|---|---:|---:|---:|"]
-    for gib, size, timings in rows:
+    for gib, size, timings, failed in rows:
         floor = timings[FLOOR].block_med
         for name, t in timings.items():
             ratio = t.block_med / floor if floor > 0 else float("inf")
             durable = "-" if name == FLOOR else f"{t.durable_med:.3f}"
             lines.append(f"| {gib:g} GiB ({size / GiB:.2f} GiB) | {name} | {t.block_med:.3f} | "
                          f"{ratio:.2f} | {durable} |")
+        for name, why in failed.items():
+            lines.append(f"| {gib:g} GiB ({size / GiB:.2f} GiB) | {name} | failed: {why} | - | - |")
     lines += ["", "| size | ratio | value | goal |", "|---|---|---:|---:|"]
-    for gib, _, timings in rows:
+    for gib, _, timings, _ in rows:
         floor, ours = timings[FLOOR].block_med, timings[OURS].block_med
         lines.append(f"| {gib:g} GiB | ours blocking / copy floor | {ours / floor:.2f} | <= 1.5 |")
         for name in (DCP_CACHED, DCP_STAGER):
+            if name not in timings:
+                continue
             lines.append(f"| {gib:g} GiB | {name} blocking / copy floor | "
                          f"{timings[name].block_med / floor:.2f} | |")
     return "\n".join(lines) + "\n"
 
 
-def results_json(rows: list[tuple[float, int, dict[str, Timing]]]) -> list[dict[str, Any]]:
+def results_json(rows: list[Row]) -> list[dict[str, Any]]:
     """The measured medians (and every repeat) per size, as the module docstring gives."""
-    return [{"size_gib": gib, "bytes": size, "methods": {
+    return [{"size_gib": gib, "bytes": size, "failed": failed, "methods": {
         name: {"blocking_s": t.block_med, "durable_s": t.durable_med,
                "blocking": list(t.blocking), "durable": list(t.durable)}
-        for name, t in timings.items()}} for gib, size, timings in rows]
+        for name, t in timings.items()}} for gib, size, timings, failed in rows]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -266,8 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     try:
         for gib in sizes:
-            size, timings = run_size(gib, args.repeats, tmp, args.settle, device)
-            rows.append((gib, size, timings))
+            rows.append((gib, *run_size(gib, args.repeats, tmp, args.settle, device)))
             release_host_memory()  # this size's state and pinned copies, before the next
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -203,6 +203,11 @@ def _run_agent(agent: Any, events: EventLog) -> tuple[int, str]:
     return code, message
 
 
+def _shutdown_timeout(config: Any) -> float:
+    """torchrun's ``--shutdown-timeout`` (torch 2.13 added it to ``LaunchConfig``), else 30 s."""
+    return float(getattr(config, "shutdown_timeout", None) or 30)
+
+
 def _agent_config(args: argparse.Namespace, config: Any, conf: Any, addr: str,
                   telemetry: Any) -> Any:
     """The node agent's settings, from torchrun's parsed config, ``--rdzv-conf`` and ours."""
@@ -215,7 +220,7 @@ def _agent_config(args: argparse.Namespace, config: Any, conf: Any, addr: str,
         ttl=conf.member_ttl, last_call=conf.last_call_timeout,
         join_timeout=conf.join_timeout, monitor_interval=config.monitor_interval,
         budget=CrashBudget(max_restarts=args.max_restarts, window=args.restart_window),
-        mode=args.elastic_mode, shutdown_grace=float(config.shutdown_timeout or 30),
+        mode=args.elastic_mode, shutdown_grace=_shutdown_timeout(config),
         drain_timeout=args.preemption_drain_timeout, linger=conf.linger,
         worker_env={**_worker_env(args), **interface_env(addr, os.environ),
                     **telemetry.worker_env},

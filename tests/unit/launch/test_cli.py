@@ -180,3 +180,14 @@ def test_a_bad_metrics_port_is_one_sentence_naming_it(
 def test_events_dir_takes_a_url(script: str) -> None:
     args = cli.parse_args(["--standalone", "--events-dir", "s3://bucket/job/events", script])
     assert args.events_dir == "s3://bucket/job/events"
+
+
+def test_the_shutdown_grace_is_torchruns_flag_or_30_s_where_torch_has_no_such_field() -> None:
+    from types import SimpleNamespace
+
+    from launch.runner import _shutdown_timeout
+
+    assert _shutdown_timeout(SimpleNamespace(shutdown_timeout=7)) == 7.0
+    assert _shutdown_timeout(SimpleNamespace(shutdown_timeout=None)) == 30.0
+    # torch 2.11's LaunchConfig has no shutdown_timeout (found on the GPU machine).
+    assert _shutdown_timeout(SimpleNamespace()) == 30.0
