@@ -82,6 +82,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 OURS = "elastic-run"
+MIN_STEADY_WINDOW_S = 1.0  # a shorter steady window (--steady 0) gives no rates
 C10D = "c10d"
 KEEPALIVE_PATH = "/v3/lease/keepalive"
 LARGE_JOB = (1024, 8)  # nodes x workers of the computed figure
@@ -861,10 +862,16 @@ def report(rounds: list[RoundResult], loads: list[LoadResult], nodes: list[int])
         p = load.predicted
         loss = (f"{load.loss_round_s:.2f}" if load.loss_round_s is not None
                 else f"incomplete ({load.loss_completed} of {load.nodes - 1})")
+        # Rates over a window shorter than the keep-alive period (--steady 0) mean nothing.
+        measured = load.window_s >= MIN_STEADY_WINDOW_S
+
+        def rate(value: float, digits: int, measured: bool = measured) -> str:
+            return f"{value:.{digits}f}" if measured else "-"
+
         lines.append(
-            f"| {load.nodes} | {load.keepalives_per_s:.1f} ({p['keepalives_per_s']:.1f}) | "
-            f"{load.watches} ({p['watches']:.0f}) | {load.watch_streams_per_s:.1f} "
-            f"({p['watch_streams_per_s']:.1f}) | {load.other_requests_per_s:.2f} "
+            f"| {load.nodes} | {rate(load.keepalives_per_s, 1)} ({p['keepalives_per_s']:.1f}) | "
+            f"{load.watches} ({p['watches']:.0f}) | {rate(load.watch_streams_per_s, 1)} "
+            f"({p['watch_streams_per_s']:.1f}) | {rate(load.other_requests_per_s, 2)} "
             f"({p['reads_per_s']:.2f}) | "
             f"{loss} | {load.loss_round_cas} |")
     big_nodes, big_workers = LARGE_JOB
@@ -984,7 +991,7 @@ def main(argv: list[str] | None = None) -> int:
                               f"{r.detail.get('phases_s', {})}; CPU s "
                               f"{r.detail.get('cpu_s', {})}; leases lost "
                               f"{r.detail.get('leases_lost', 0)}", flush=True)
-                        if load is not None:
+                        if load is not None and load.window_s >= MIN_STEADY_WINDOW_S:
                             print(f"{'':11s}        keep-alives/s {load.keepalives_per_s:.1f} "
                                   f"(predicted {load.predicted['keepalives_per_s']:.1f})  "
                                   f"watches {load.watches} (predicted "

@@ -385,6 +385,8 @@ def cuda_checkpoint_rows(data: dict[str, Any], stdout: str = "") -> list[Row]:
                     goal=f"<= {CKPT_BLOCKING_GOAL:g}x copy floor")
         rows.append(_with_met(floor, _at_most(floor.ratio, CKPT_BLOCKING_GOAL)))
         for name in (CUDA_DCP_CACHED, CUDA_DCP_STAGER):
+            if name not in m:  # the baseline raised in this torch (entry["failed"] says why)
+                continue
             rows.append(Row("cuda_checkpoint", measure, ours, m[name]["blocking_s"],
                             name.removeprefix("DCP "), speedup=True))
     return rows

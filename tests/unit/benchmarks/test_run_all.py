@@ -177,7 +177,7 @@ def test_cuda_checkpoint_rows_from_the_scripts_json() -> None:
     }
     data = json.loads(json.dumps({"repeats": 3, "settle": 1.0, "device": "NVIDIA H100",
                                   "sizes": cuda_checkpoint.results_json(
-                                      [(16.0, 16 << 30, timings)])}))
+                                      [(16.0, 16 << 30, timings, {})])}))
     rows = run_all.cuda_checkpoint_rows(data)
     assert len(rows) == 3 and all("16.00 GiB" in r.measure for r in rows)
     floor = _one(rows, "blocking", "device-to-pinned-host copy floor")
@@ -190,6 +190,21 @@ def test_cuda_checkpoint_rows_from_the_scripts_json() -> None:
     assert (run_all.CUDA_FLOOR, run_all.CUDA_OURS, run_all.CUDA_DCP_CACHED,
             run_all.CUDA_DCP_STAGER) == (cuda_checkpoint.FLOOR, cuda_checkpoint.OURS,
                                          cuda_checkpoint.DCP_CACHED, cuda_checkpoint.DCP_STAGER)
+
+
+def test_a_cuda_baseline_that_failed_has_no_row_and_its_reason_stays_in_the_json() -> None:
+    from benchmarks import cuda_checkpoint
+
+    timings = {cuda_checkpoint.FLOOR: _timing(0.34, 0.34),
+               cuda_checkpoint.OURS: _timing(0.35, 25.0),
+               cuda_checkpoint.DCP_CACHED: _timing(0.39, 20.0)}
+    failed = {cuda_checkpoint.DCP_STAGER: "KeyError: <class 'type'>"}
+    sizes = cuda_checkpoint.results_json([(16.0, 16 << 30, timings, failed)])
+    assert sizes[0]["failed"] == failed
+    rows = run_all.cuda_checkpoint_rows({"sizes": sizes})
+    assert len(rows) == 2 and not any("DefaultStager" in r.baseline_name for r in rows)
+    report = cuda_checkpoint.report([(16.0, 16 << 30, timings, failed)], "header")
+    assert "| DCP async_save, DefaultStager (pinned, non-blocking) | failed: KeyError" in report
 
 
 def test_cuda_checkpoint_without_a_gpu_is_reported_as_skipped_not_failed(
