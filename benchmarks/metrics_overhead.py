@@ -48,8 +48,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import multiprocessing as mp
 import os
+import random
 import socket
 import statistics
 import sys
@@ -95,6 +97,10 @@ class Result:
     scrape_interval_s: float = 15.0
     receiver_cpu_s: float = 0.0
     """CPU seconds of the agent's receiver thread (decode, projection, event log)."""
+    twin: bool = False
+    """Two jobs ran side by side, one with telemetry on and one off in every block, swapping
+    each block (``--twin``): ``on_step_s[b]`` and ``off_step_s[b]`` were measured at the
+    same time."""
 
     @property
     def on_median(self) -> float:
@@ -106,7 +112,20 @@ class Result:
 
     @property
     def pair_ratios(self) -> list[float]:
-        return [on / off for on, off in zip(self.on_step_s, self.off_step_s, strict=True)]
+        """on / off per pair of blocks (twin: the geometric mean of the pair's two blocks,
+        which cancels what sets one job apart from the other, its cores say)."""
+        return self._paired([on / off for on, off in zip(self.on_step_s, self.off_step_s,
+                                                         strict=True)])
+
+    def _paired(self, ratios: list[float]) -> list[float]:
+        if not self.twin:
+            return ratios
+        return [math.sqrt(a * b) for a, b in zip(ratios[0::2], ratios[1::2], strict=True)]
+
+    @property
+    def ratio_ci95(self) -> tuple[float, float]:
+        """95 % bootstrap interval of :attr:`ratio` (2000 resamples of the pairs, seed 0)."""
+        return bootstrap_median_ci(self.pair_ratios)
 
     @property
     def ratio(self) -> float:
@@ -123,8 +142,8 @@ class Result:
     @property
     def cpu_pair_ratios(self) -> list[float]:
         share = self.agent_cpu_per_step_s / WORKERS
-        return [(on + share) / off for on, off in zip(self.on_cpu_s, self.off_cpu_s,
-                                                      strict=True)]
+        return self._paired([(on + share) / off for on, off in zip(self.on_cpu_s,
+                                                                   self.off_cpu_s, strict=True)])
 
     @property
     def cpu_ratio(self) -> float:
@@ -139,6 +158,16 @@ class Result:
         return 1.0 + added / self.off_median
 
 
+def bootstrap_median_ci(values: list[float], resamples: int = 2000,
+                        seed: int = 0) -> tuple[float, float]:
+    """The 2.5th and 97.5th percentiles of the median of ``values`` resampled with
+    replacement: how far the median of this many pairs can move by chance."""
+    rng = random.Random(seed)
+    medians = sorted(statistics.median(rng.choices(values, k=len(values)))
+                     for _ in range(resamples))
+    return medians[int(0.025 * resamples)], medians[int(0.975 * resamples) - 1]
+
+
 def schedule(repeats: int) -> list[bool]:
     """Telemetry on (True) or off per block: off-on, on-off, off-on, ... (``2 * repeats``)."""
     out: list[bool] = []
@@ -147,8 +176,10 @@ def schedule(repeats: int) -> list[bool]:
     return out
 
 
-def _worker(rank: int, port: int, socket_path: str, blocks: list[bool], steps: int,
-            barrier: Any, mode: Any, results: Any) -> None:
+def _worker(job: int, rank: int, port: int, socket_path: str, blocks: list[bool], steps: int,
+            barrier: Any, mode: Any, results: Any, cpus: set[int] | None = None) -> None:
+    if cpus:
+        os.sched_setaffinity(0, cpus)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORKERS),
                       LOCAL_WORLD_SIZE=str(WORKERS), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
@@ -191,7 +222,7 @@ def _worker(rank: int, port: int, socket_path: str, blocks: list[bool], steps: i
 
         loop._events.record = timed  # type: ignore[method-assign]
         barrier.wait()
-        if rank == 0:
+        if rank == 0 and job == 0:
             mode.value = int(on)
         started, cpu, sender_cpu = time.perf_counter(), time.process_time(), _sender_thread_cpu()
         with loop:
@@ -203,7 +234,7 @@ def _worker(rank: int, port: int, socket_path: str, blocks: list[bool], steps: i
                 optimizer.zero_grad(set_to_none=True)
                 loop.end_step()
         recording[0] += _sender_thread_cpu() - sender_cpu
-        results.put((rank, block, on, (time.perf_counter() - started) / steps,
+        results.put((job, rank, block, on, (time.perf_counter() - started) / steps,
                      (time.process_time() - cpu) / steps, recording[0] / steps))
     barrier.wait()
     ctx.close()
@@ -275,62 +306,97 @@ def _thread_cpu(thread: threading.Thread | None) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def run(repeats: int, steps: int, scrape_interval: float = 15.0) -> Result:
-    """Runs the interleaved blocks; returns the per-block step times of both modes."""
+TWIN_MIN_CPUS = 6
+"""``--twin`` pins each of the four workers to a core of its own and leaves the agent two."""
+
+
+def run(repeats: int, steps: int, scrape_interval: float = 15.0, twin: bool = False) -> Result:
+    """Runs the interleaved blocks; returns the per-block step times of both modes.
+
+    With ``twin``, two identical jobs (each 2 workers and its own agent telemetry) run at
+    once, in lockstep blocks, one with telemetry on and the other off, swapping at every
+    block: each block's on and off are measured over the same seconds, so the machine's
+    drifts, which scatter sequential pairs by several percent, cancel.
+    """
     from elastic.eventlog import EventLog
     from launch.telemetry import NodeTelemetry
 
-    result = Result(steps_per_block=steps, repeats=repeats, scrape_interval_s=scrape_interval)
+    jobs = 2 if twin else 1
+    cpus = os.cpu_count() or 1
+    pin = twin and cpus >= TWIN_MIN_CPUS  # unpinned, twin jobs still run (but share cores)
+    result = Result(steps_per_block=steps, repeats=repeats, scrape_interval_s=scrape_interval,
+                    twin=twin)
     blocks = schedule(repeats)
+    schedules = [blocks, [not on for on in blocks]][:jobs]
     with tempfile.TemporaryDirectory(prefix="metrics-overhead-") as tmp:
-        events = EventLog(Path(tmp) / "events", job="metrics-overhead", source="agent")
-        telemetry = NodeTelemetry(events, metrics_port=0, metrics_host="127.0.0.1").start()
-        assert telemetry.receiver is not None
+        logs = [EventLog(Path(tmp) / f"events-{j}", job=f"metrics-overhead-{j}",
+                         source="agent") for j in range(jobs)]
+        agents = [NodeTelemetry(log, metrics_port=0, metrics_host="127.0.0.1").start()
+                  for log in logs]
+        receivers = [a.receiver for a in agents]
+        assert all(r is not None for r in receivers)
+        if pin:  # workers on cores 0-3, this process and the scrapers on the rest
+            os.sched_setaffinity(0, set(range(2 * WORKERS, cpus)))
         ctx = mp.get_context("spawn")
-        barrier, mode, results = ctx.Barrier(WORKERS), ctx.Value("i", 0), ctx.Queue()
+        barrier, results = ctx.Barrier(WORKERS * jobs), ctx.Queue()
+        # Twin: one job is always on, so the scraper always scrapes and the agent's CPU is
+        # counted by its receiver threads instead of by splitting on and off time.
+        mode = ctx.Value("i", 1 if twin else 0)
         stop, scraper_stop, scrapes = threading.Event(), ctx.Event(), ctx.Value("i", 0)
-        url = f"http://127.0.0.1:{telemetry.metrics_port}/metrics"
-        scraper = ctx.Process(target=_scraper, daemon=True,
-                              args=(url, scrape_interval, mode, scraper_stop, scrapes))
-        scraper.start()
+        urls = [f"http://127.0.0.1:{a.metrics_port}/metrics" for a in agents]
+        scrapers = [ctx.Process(target=_scraper, daemon=True,
+                                args=(url, scrape_interval, mode, scraper_stop, scrapes))
+                    for url in urls]
+        for scraper in scrapers:
+            scraper.start()
         sampler = threading.Thread(target=_agent_cpu, args=(mode, stop, result), daemon=True)
-        sampler.start()
-        port = _free_port()
-        procs = [ctx.Process(target=_worker, args=(rank, port, telemetry.receiver.path, blocks,
-                                                   steps, barrier, mode, results), daemon=True)
-                 for rank in range(WORKERS)]
+        if not twin:
+            sampler.start()
+        procs = []
+        for j in range(jobs):
+            port = _free_port()
+            receiver = receivers[j]
+            assert receiver is not None
+            procs += [ctx.Process(target=_worker, daemon=True, args=(
+                j, rank, port, receiver.path, schedules[j], steps, barrier, mode, results,
+                {j * WORKERS + rank} if pin else None)) for rank in range(WORKERS)]
         try:
             for proc in procs:
                 proc.start()
-            per_block: dict[int, list[tuple[float, float, float]]] = {}
-            for _ in range(WORKERS * len(blocks)):
-                _rank, block, _on, step_s, cpu_s, record_s = results.get(timeout=600)
-                per_block.setdefault(block, []).append((step_s, cpu_s, record_s))
+            per_block: dict[tuple[int, int], list[tuple[float, float, float]]] = {}
+            for _ in range(len(procs) * len(blocks)):
+                job, _rank, block, _on, step_s, cpu_s, record_s = results.get(timeout=600)
+                per_block.setdefault((block, job), []).append((step_s, cpu_s, record_s))
             for proc in procs:
                 proc.join(60)
                 if proc.exitcode != 0:
                     raise RuntimeError(f"a worker exited with {proc.exitcode}")
-            result.steps_scraped = _steps_total(url)
-            result.receiver_cpu_s = _thread_cpu(telemetry.receiver._thread)
+            result.steps_scraped = sum(_steps_total(url) for url in urls)
+            result.receiver_cpu_s = sum(_thread_cpu(r._thread) for r in receivers if r)
         finally:
             stop.set()
             scraper_stop.set()
-            for proc in [*procs, scraper]:
+            for proc in [*procs, *scrapers]:
                 proc.join(5)
                 if proc.is_alive():
                     proc.kill()
-            telemetry.close()
-            events.close()
+            for agent in agents:
+                agent.close()
+            for log in logs:
+                log.close()
         result.scrapes = scrapes.value
-        for block, times in sorted(per_block.items()):
-            walls, cpus = (result.on_step_s, result.on_cpu_s) if blocks[block] else (
+        for (block, job), times in sorted(per_block.items()):
+            on = schedules[job][block]
+            walls, cpus_ = (result.on_step_s, result.on_cpu_s) if on else (
                 result.off_step_s, result.off_cpu_s)
             walls.append(statistics.mean(t for t, _, _ in times))
-            cpus.append(statistics.mean(c for _, c, _ in times))
-            if blocks[block]:
+            cpus_.append(statistics.mean(c for _, c, _ in times))
+            if on:
                 result.on_record_s.append(statistics.mean(r for _, _, r in times))
-        result.records_received = telemetry.receiver.received
-        result.records_dropped = telemetry.receiver.dropped
+        if twin:
+            result.agent_cpu_on_s = result.receiver_cpu_s
+        result.records_received = sum(r.received for r in receivers if r)
+        result.records_dropped = sum(r.dropped for r in receivers if r)
     return result
 
 
@@ -345,6 +411,7 @@ def table(result: Result) -> str:
                f"{max(pairs):.3f})"
 
     agent_us = 1e6 * result.agent_cpu_per_step_s
+    low, high = result.ratio_ci95
     receiver_us = 1e6 * result.receiver_cpu_s / max(1, result.records_received)
     return "\n".join([
         "| telemetry | blocks | step time, median (min-max) | workers' CPU per step |",
@@ -355,7 +422,9 @@ def table(result: Result) -> str:
         f"{ms(result.on_step_s)} | {ms(result.on_cpu_s)} + agent {agent_us:.0f} us |",
         "",
         f"- step time on / off, median of the paired blocks: "
-        f"{ratio(result.pair_ratios, result.ratio)}",
+        f"{ratio(result.pair_ratios, result.ratio)}; 95 % bootstrap interval "
+        f"{low:.4f}-{high:.4f}"
+        + (" (twin jobs: on and off measured over the same seconds)" if result.twin else ""),
         f"- CPU per step on / off (workers' plus the agent's share), median of the pairs: "
         f"{ratio(result.cpu_pair_ratios, result.cpu_ratio)}",
         f"- cost counted where it is spent: the workers' event records (loop and sender thread) "
@@ -377,15 +446,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--scrape-interval", type=float, default=15.0,
                         help="seconds between scrapes, as Prometheus (default 15, the "
                         "deploy/ PodMonitor's)")
+    parser.add_argument("--twin", action="store_true",
+                        help="two jobs side by side, one on and one off in every block "
+                        f"(needs {TWIN_MIN_CPUS} CPUs; see run())")
     parser.add_argument("--json", default=None, help="also write the result to this file")
     args = parser.parse_args(argv)
-    result = run(args.repeats, args.steps_per_block, args.scrape_interval)
+    if args.twin and (os.cpu_count() or 1) < TWIN_MIN_CPUS:
+        parser.error(f"--twin needs at least {TWIN_MIN_CPUS} CPUs (one per worker, two for the "
+                     f"agents) but this machine has {os.cpu_count()}; run without --twin.")
+    result = run(args.repeats, args.steps_per_block, args.scrape_interval, args.twin)
     print(table(result))
     if args.json:
         Path(args.json).write_text(json.dumps({
             **asdict(result), "on_median_s": result.on_median,
             "off_median_s": result.off_median, "pair_ratios": result.pair_ratios,
-            "ratio": result.ratio, "agent_cpu_per_step_s": result.agent_cpu_per_step_s,
+            "ratio": result.ratio, "ratio_ci95": result.ratio_ci95,
+            "agent_cpu_per_step_s": result.agent_cpu_per_step_s,
             "cpu_pair_ratios": result.cpu_pair_ratios, "cpu_ratio": result.cpu_ratio,
             "cost_ratio": result.cost_ratio},
             indent=2))
