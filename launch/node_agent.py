@@ -44,6 +44,7 @@ What happens when:
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import socket
@@ -70,6 +71,7 @@ from launch.cutoff import Reconnect, cut_off, ended_while_away, peers_answer
 from launch.silent_peers import (
     ETCD_CHECK_DEADLINE,
     SilentPeerWatch,
+    confirmed_silent,
     lease_unrefreshed,
     watched_peers,
 )
@@ -466,7 +468,9 @@ class NodeAgent:
                 elif kv is None:
                     found = True  # already gone: its lease expired meanwhile
                     continue
-                elif kv.lease and lease_unrefreshed(run.client, kv.lease):
+                elif kv.lease and confirmed_silent(
+                        functools.partial(lease_unrefreshed, run.client, kv.lease),
+                        functools.partial(self._probe_unanswered, address)):
                     why = ("its host answers no probe and etcd has had no keep-alive of its "
                            "lease for over a keep-alive period")
                 else:
@@ -479,6 +483,11 @@ class NodeAgent:
                 logger.warning("node %s is gone (%s); revoked its lease (its record and any "
                                "leadership go)", node, why)
         return found
+
+    def _probe_unanswered(self, address: tuple[str, int]) -> bool:
+        """Probes one peer's liveness port again: True if it refuses or answers nothing."""
+        refused, unanswered = self._probes.recheck([address])
+        return address in refused or address in unanswered
 
     def _check_silent_peers(self, epoch: int) -> bool:
         """:class:`SilentPeerWatch`'s check: removes the peers of world ``epoch`` that went

@@ -19,6 +19,15 @@ lease, and one cut off from etcd only still answers probes: neither is ever remo
 so a partition never has two sides removing each other. A node that is itself cut off cannot
 reach etcd to revoke anything.
 
+The order of the questions matters (:func:`confirmed_silent`). A node whose own link comes
+back between its probe and etcd's answer has probe results from while *it* was cut off, and
+etcd's answer truncates the lease's remaining time to whole seconds, so a keep-alive a few
+milliseconds late reads as a missed period. Either alone must not remove a healthy peer (a CI
+run found exactly that: a cut node, its link just back, revoked the lease of the leader it had
+failed to probe). So once etcd says the lease is unrefreshed, which proves this node reaches
+etcd *now*, the peer is probed again, and then etcd is asked again: a peer that answers the
+fresh probe, or whose keep-alive was only late, stays.
+
 :class:`SilentPeerWatch` runs that check while a worker of this node reports waiting in a
 collective (``stalled``), and stops once the step completes or the world changes.
 """
@@ -34,7 +43,7 @@ from typing import Final
 
 from elastic.etcd import EtcdClient, keep_alive_period
 
-__all__ = ["SilentPeerWatch", "lease_unrefreshed", "watched_peers"]
+__all__ = ["SilentPeerWatch", "confirmed_silent", "lease_unrefreshed", "watched_peers"]
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +70,21 @@ def watched_peers(members: Sequence[str], me: str, count: int = WATCHED_PEERS) -
     at = members.index(me)
     others = [members[(at + i) % len(members)] for i in range(1, len(members))]
     return others[:count]
+
+
+def confirmed_silent(lease_unrefreshed: Callable[[], bool],
+                     probe_unanswered: Callable[[], bool]) -> bool:
+    """Whether a peer that answered no probe is gone: its lease is unrefreshed, a probe sent
+    *after* etcd answered (so while this node demonstrably reaches the network) is unanswered
+    too, and its lease is still unrefreshed after that probe (the keep-alive was not merely
+    late). Each question is asked only if the one before says "gone".
+
+    Args:
+        lease_unrefreshed: Asks etcd whether the peer's lease missed a keep-alive period
+            (raises ``EtcdUnavailableError`` if etcd does not answer in time).
+        probe_unanswered: Probes the peer's liveness port now; True if it does not answer.
+    """
+    return lease_unrefreshed() and probe_unanswered() and lease_unrefreshed()
 
 
 def lease_unrefreshed(client: EtcdClient, lease_id: int,

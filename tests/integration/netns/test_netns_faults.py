@@ -37,6 +37,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -197,6 +198,7 @@ def hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
         job.wait_moved_on(cut, WAIT)  # so its lease has expired: the others dropped it
         job.run_ahead(2, STEPS)
         cluster.restore_link(back)
+        run.facts["returned until"] = time.time()
         job.wait_world(3, cut.gen, "the returned node's new worker in a world of 3",
                        lambda pids: bool(pids - cut.survivors - cut.hit))
 
@@ -236,6 +238,7 @@ def hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
         run.facts["long cut s"] = time.time() - long_cut.t
         job.run_ahead(2, STEPS)
         cluster.restore_link(away)
+        run.facts["long cut until"] = time.time()
         job.wait_world(3, long_cut.gen, "the long-cut node's new worker in a world of 3",
                        lambda pids: bool(pids - long_cut.survivors - long_cut.hit))
 
@@ -335,12 +338,36 @@ def test_a_cut_host_is_found_silent_before_its_lease_expires_and_a_partition_nev
     # A survivor whose workers wait in a collective for a host that answers no probe and no
     # longer refreshes its lease revokes that lease at once (launch.silent_peers). The three
     # link cuts (host returns, long cut, silent host) may each be found so (or, if the lease
-    # expired first, not); the node cut from etcd only still answers probes, so it never is:
-    # at most one such removal per link cut, and at least one in all.
+    # expired first, not). Every node removed so must be one whose host's link was cut at
+    # that moment: never the node cut from etcd only (it still answers probes), and never a
+    # healthy peer of a cut node whose own link just came back (CI once saw that one).
+    cut_windows = [
+        (hosts.facts["returned"], hosts.faults["host returns"].t, hosts.facts["returned until"]),
+        (hosts.facts["long cut"], hosts.faults["long cut"].t, hosts.facts["long cut until"]),
+        (hosts.facts["silent"], hosts.faults["silent host"].t, float("inf")),
+    ]
+    ids_on = {id(agent.host): set(re.findall(r"as node (\S+) \(", agent.output()))
+              for agent in hosts.agents}
     removals = [line for agent in hosts.agents for line in log_lines(
         agent.output(), r"is gone \(its host answers no probe")]
-    print(f"[netns] silent-peer removals: {len(removals)} of 3 link cuts")
-    assert 1 <= len(removals) <= 3, removals
+    removed = set()
+    for line in removals:
+        node = re.search(r"node (\S+) is gone", line)
+        assert node is not None, line
+        removed.add(node[1])
+        when = _log_time(line)
+        assert any(node[1] in ids_on[id(host)] and start <= when <= end + 1.0
+                   for host, start, end in cut_windows), (line, cut_windows, ids_on)
+    print(f"[netns] silent-peer removals: {len(removals)} lines, {len(removed)} nodes, "
+          "of 3 link cuts")
+    assert 1 <= len(removed) <= 3, removals
+
+
+def _log_time(line: str) -> float:
+    """The wall-clock time of an agent's log line (``[YYYY-mm-dd HH:MM:SS,mmm] ...``)."""
+    stamp = re.match(r"\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})\]", line)
+    assert stamp is not None, line
+    return datetime.strptime(stamp[1], "%Y-%m-%d %H:%M:%S,%f").timestamp()
 
 
 def test_a_host_cut_for_longer_than_the_etcd_deadline_rejoins_instead_of_failing(

@@ -7,7 +7,9 @@ from __future__ import annotations
 import threading
 import time
 
-from launch.silent_peers import SilentPeerWatch, watched_peers
+import pytest
+
+from launch.silent_peers import SilentPeerWatch, confirmed_silent, watched_peers
 
 
 class _Checks:
@@ -101,3 +103,33 @@ def test_each_node_checks_the_next_few_members_so_every_member_is_checked_by_as_
         for peer in watched_peers(members, me):
             checked_by[peer] += 1
     assert set(checked_by.values()) == {3}
+
+
+@pytest.mark.parametrize(("lease_reads", "probe", "gone", "asked"), [
+    # Silent and unrefreshed at both reads: gone.
+    ((True, True), True, True, ["lease", "probe", "lease"]),
+    # The node asking was the one cut off: its link came back between its first probe and
+    # etcd's answer; the peer answers the fresh probe (found by CI on namespaces).
+    ((True,), False, False, ["lease", "probe"]),
+    # A keep-alive only late: etcd's whole-second truncation read it as a missed period, and
+    # the second read, after the probe, sees it refreshed.
+    ((True, False), True, False, ["lease", "probe", "lease"]),
+    # A refreshed lease ends the check before any probe.
+    ((False,), True, False, ["lease"]),
+])
+def test_a_silent_peer_is_removed_only_if_a_fresh_probe_and_a_second_lease_read_agree(
+    lease_reads: tuple[bool, ...], probe: bool, gone: bool, asked: list[str],
+) -> None:
+    calls: list[str] = []
+    reads = list(lease_reads)
+
+    def lease() -> bool:
+        calls.append("lease")
+        return reads.pop(0)
+
+    def probed() -> bool:
+        calls.append("probe")
+        return probe
+
+    assert confirmed_silent(lease, probed) is gone
+    assert calls == asked
