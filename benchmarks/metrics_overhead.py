@@ -177,7 +177,7 @@ def schedule(repeats: int) -> list[bool]:
 
 
 def _worker(job: int, rank: int, port: int, socket_path: str, blocks: list[bool], steps: int,
-            barrier: Any, mode: Any, results: Any, cpus: set[int] | None = None) -> None:
+            barrier: Any, mode: Any | None, results: Any, cpus: set[int] | None = None) -> None:
     if cpus:
         os.sched_setaffinity(0, cpus)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORKERS),
@@ -222,7 +222,7 @@ def _worker(job: int, rank: int, port: int, socket_path: str, blocks: list[bool]
 
         loop._events.record = timed  # type: ignore[method-assign]
         barrier.wait()
-        if rank == 0 and job == 0:
+        if rank == 0 and mode is not None:  # None with --twin: one job is always on
             mode.value = int(on)
         started, cpu, sender_cpu = time.perf_counter(), time.process_time(), _sender_thread_cpu()
         with loop:
@@ -349,16 +349,16 @@ def run(repeats: int, steps: int, scrape_interval: float = 15.0, twin: bool = Fa
                     for url in urls]
         for scraper in scrapers:
             scraper.start()
-        sampler = threading.Thread(target=_agent_cpu, args=(mode, stop, result), daemon=True)
         if not twin:
-            sampler.start()
+            threading.Thread(target=_agent_cpu, args=(mode, stop, result), daemon=True).start()
         procs = []
         for j in range(jobs):
             port = _free_port()
             receiver = receivers[j]
             assert receiver is not None
             procs += [ctx.Process(target=_worker, daemon=True, args=(
-                j, rank, port, receiver.path, schedules[j], steps, barrier, mode, results,
+                j, rank, port, receiver.path, schedules[j], steps, barrier,
+                None if twin else mode, results,
                 {j * WORKERS + rank} if pin else None)) for rank in range(WORKERS)]
         try:
             for proc in procs:

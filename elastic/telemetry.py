@@ -104,9 +104,6 @@ def encode_batch(items: list[_Item], *, pid: int, dropped: int) -> bytes:
 def decode_all(payload: bytes) -> list[Datagram]:
     """Every record in ``payload`` (one, or a batch), oldest first; empty when it is not
     telemetry (foreign or damaged). A batch's malformed items are skipped."""
-    return _parse(payload)
-
-def _parse(payload: bytes) -> list[Datagram]:
     try:
         message = json.loads(payload)
     except (ValueError, UnicodeDecodeError):

@@ -131,10 +131,6 @@ class ProbeBook:
         thread.start()
         return thread
 
-    def dead(self, addresses: Iterable[tuple[str, int]]) -> set[tuple[str, int]]:
-        """The addresses that answered before and now refuse: their process is gone."""
-        return self.recheck(addresses)[0]
-
     def recheck(self, addresses: Iterable[tuple[str, int]]
                 ) -> tuple[set[tuple[str, int]], set[tuple[str, int]]]:
         """Probes the addresses that answered before.

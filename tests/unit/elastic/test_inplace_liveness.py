@@ -98,8 +98,8 @@ def test_a_refusal_counts_only_from_a_peer_that_answered_before(
     never_seen.close()  # a port that refuses from the start (a firewall rejecting it, say)
     book = ProbeBook()
     book.learn([("127.0.0.1", port), ("127.0.0.1", never_seen_port)])
-    assert book.dead([("127.0.0.1", port), ("127.0.0.1", never_seen_port)]) == set()
+    assert book.recheck([("127.0.0.1", port), ("127.0.0.1", never_seen_port)]) == (set(), set())
     os.kill(child.pid, signal.SIGKILL)
     child.wait(timeout=10)
-    assert book.dead([("127.0.0.1", port), ("127.0.0.1", never_seen_port)]) == {
-        ("127.0.0.1", port)}
+    assert book.recheck([("127.0.0.1", port), ("127.0.0.1", never_seen_port)]) == (
+        {("127.0.0.1", port)}, set())
