@@ -18,6 +18,7 @@ from the step in flight, without restarting or reading a checkpoint.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -36,7 +37,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--global-batch", type=int, default=64, help="samples per optimizer step")
     parser.add_argument("--micro-batch", type=int, default=16, help="largest per-rank batch")
     parser.add_argument("--dataset-size", type=int, default=8192, help="synthetic samples")
-    parser.add_argument("--checkpoint-dir", default="runs/demo", help="any fsspec URL")
+    # One directory per job id (elastic-run and torchrun give it to every worker): a job
+    # restarted under the same id resumes, and another job, the demo's included, never does.
+    job = os.environ.get("TORCHELASTIC_RUN_ID") or "local"
+    parser.add_argument("--checkpoint-dir", default=f"runs/{job}",
+                        help="any fsspec URL (default runs/<job id>)")
     parser.add_argument("--checkpoint-every", type=int, default=20, help="steps between saves")
     parser.add_argument("--lr", type=float, default=1e-2)
     parser.add_argument("--seed", type=int, default=1234)

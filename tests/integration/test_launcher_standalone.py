@@ -28,7 +28,8 @@ def test_standalone_runs_two_workers_to_completion(tmp_path: Path) -> None:
 @pytest.mark.skipif(not EXAMPLE.exists(), reason="examples/train.py is not written yet")
 def test_demo_command_trains_the_example_to_completion(tmp_path: Path) -> None:
     # The README's command, run from a directory of its own: the example checkpoints to
-    # runs/demo under the working directory, as a fresh clone's would.
+    # runs/<job id> under the working directory, as a fresh clone's would (a standalone job
+    # gets a fresh id, so a later job in the same directory does not resume the demo).
     home = tmp_path / "clone"
     home.mkdir()
     with cluster(tmp_path, "", "demo") as c:
@@ -37,4 +38,4 @@ def test_demo_command_trains_the_example_to_completion(tmp_path: Path) -> None:
         assert code == 0, c.logs()
         # Trained to its last step and committed a checkpoint where the README says.
         assert "step 200/200" in agent.output(), c.logs()
-        assert list((home / "runs" / "demo").glob("*/COMMIT.json")), c.logs()
+        assert list((home / "runs").glob("standalone-*/*/COMMIT.json")), c.logs()
