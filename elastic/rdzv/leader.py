@@ -31,7 +31,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Sequence, Set
 from dataclasses import dataclass, field
 from typing import Final
 
@@ -123,6 +123,10 @@ class LeaderLoop:
         #: Worker incarnations evicted by the progress rule: never admitted again (their agent
         #: kills them; until it has, their node record still shows them ready).
         self._evicted: set[str] = set()
+        #: Nodes seen announcing a planned departure. A departing node revokes its lease as it
+        #: goes, so its record (and its ``departing`` note) can vanish before the world that
+        #: its leaving breaks is written: that world must still call it a departure.
+        self._departing: set[str] = set()
         self._reported: set[str] = set()
         self._parsed: dict[str, tuple[int, NodeRecord | None]] = {}
         self.stats = LeaderStats()
@@ -246,8 +250,11 @@ class LeaderLoop:
             self._ended = True
             self._end_run(ended)
             return _IDLE_WAKE_S
+        self._departing |= {n.node for n in nodes if n.departing is not None}
         if current is not None:
             self._evicted |= set(current.evicted)  # a previous leader's evictions too
+            # Only nodes of the current world can still depart from it.
+            self._departing &= {w.split("/")[0] for w in current.ranks()}
         if current is not None and current.members and not self._ended:
             slow = laggards(current, nodes)
             if slow:
@@ -262,7 +269,7 @@ class LeaderLoop:
         proposal = next_world(current, nodes, min_nodes=self._limits.min_nodes,
                               max_nodes=self._limits.max_nodes, used_stores=self._used_stores)
         if proposal is None and current is not None and current.members:
-            empty = _restart_all(current, nodes)
+            empty = _restart_all(current, nodes, self._departing)
             if empty.lost:
                 # Too few nodes are left to train, but the survivors must still learn now
                 # that their world is broken (and which workers caused it): an empty world.
@@ -292,7 +299,7 @@ class LeaderLoop:
             # the new incarnations once they settle. Writing the real world directly would
             # restart the workers into a world of stale incarnations, one change at a time.
             if change is Change.LOSS or self._settled(proposal, nodes):
-                self._write(_restart_all(current, nodes), current)
+                self._write(_restart_all(current, nodes, self._departing), current)
                 return 0.0
             return self._remaining_settle()
         if change is Change.LOSS:
@@ -434,11 +441,13 @@ def _cause(world: WorldRecord, current: WorldRecord | None,
     return "node_joined"
 
 
-def _restart_all(current: WorldRecord, nodes: Sequence[NodeRecord]) -> WorldRecord:
+def _restart_all(current: WorldRecord, nodes: Sequence[NodeRecord],
+                 departing: Set[str] = frozenset()) -> WorldRecord:
     """The empty world that makes every agent of a restart-mode world restart its workers;
-    ``lost`` names the workers whose loss caused it."""
+    ``lost`` names the workers whose loss caused it, ``departed`` those of nodes that
+    announced their departure (``departing``: also those whose record is gone since)."""
     ready = {f"{n.node}/{w.local_id}" for n in nodes for w in n.ready_workers()}
-    leaving = {n.node for n in nodes if n.departing is not None}
+    leaving = set(departing) | {n.node for n in nodes if n.departing is not None}
     departed = tuple(w for w in current.ranks() if w.split("/")[0] in leaving)
     return WorldRecord(current.epoch + 1, (), current.store, "restart", departed=departed,
                        lost=tuple(w for w in current.ranks()

@@ -145,3 +145,20 @@ def test_proposals_are_deterministic_and_respect_the_limits(
     if a is not None:
         assert lo <= len(a.members) <= hi
         assert len(set(a.ranks())) == a.world_size
+
+
+def test_a_departed_node_whose_record_is_already_gone_is_still_a_departure() -> None:
+    from elastic.rdzv.leader import _cause, _restart_all
+
+    first = propose(None, [node("a", 1), node("b", 2), node("c", 3)])
+    assert first is not None
+    first = first.with_changes(mode="restart")
+    # c announced its departure, drained, and revoked its lease before the leader wrote the
+    # world its leaving breaks (CI saw the record gone first): the leader remembers it.
+    survivors = [node("a", 1), node("b", 2)]
+    empty = _restart_all(first, survivors, {"c"})
+    assert empty.departed == ("c/0.1",) and empty.lost == ()
+    assert _cause(empty, first, survivors) == "planned_departure"
+    # Without that memory the same loss reads as a node lost.
+    unknown = _restart_all(first, survivors)
+    assert unknown.lost == ("c/0.1",) and _cause(unknown, first, survivors) == "node_lost"
