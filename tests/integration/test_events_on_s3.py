@@ -29,6 +29,7 @@ import pytest
 import s3fs
 
 from elastic.eventlog import read_events
+from elastic.telemetry import COALESCE_S
 from launch import goodput
 from tests.integration.launcher_scripts.harness import REPO, cluster, etcd_or_skip, kill
 from tests.integration.training.inplace_job import EVENT_TIMEOUT, STEPS, InPlaceJob
@@ -127,7 +128,12 @@ def test_a_real_three_node_job_logs_every_step_once_to_s3(
         agents = [job.start_node(0.05) for _ in range(3)]
         job.wait_for(lambda a: len(job.current_world(a)[1]) == 3, "a world of 3")
         job.open_gate(10)
-        job.wait_for(lambda a: any(d["step"] >= 8 for d in a.done), "step 8")
+        job.wait_for(lambda a: any(d["step"] >= 9 for d in a.done), "step 9")
+        # Held at the gate before step 10. A worker coalesces its step records for up to
+        # 1.5 x COALESCE_S before sending them (elastic.telemetry), and a SIGKILL loses what it
+        # holds: that bound is the SIGKILL test's below; this one checks that every record
+        # sent reaches the log exactly once across the kill, so it kills after they are sent.
+        time.sleep(2 * COALESCE_S + 0.25)
         kill([job.worker_pid(agents[1])], signal.SIGKILL)
         job.open_gate(STEPS)
         for agent in agents:
