@@ -104,3 +104,15 @@ METRICS_PORT: Final = "ELASTIC_METRICS_PORT"
 
 METRICS_HOST: Final = "ELASTIC_METRICS_HOST"
 """Address the agent's Prometheus endpoint binds (``--metrics-host``; default every interface)."""
+
+WARM_STANDBY: Final = "ELASTIC_WARM_STANDBY"
+"""``on`` (default) or ``off``: whether the agent keeps a warm standby interpreter per worker
+slot, torch imported, to start restarted workers in (``--warm-standby``;
+:mod:`launch.standby`)."""
+
+STANDBY_PRELOAD: Final = "ELASTIC_STANDBY_PRELOAD"
+"""Comma-separated modules a warm standby imports while it waits (default: torch and the torch
+modules nearly every training script imports; empty: none). None may initialise CUDA."""
+
+STANDBY_FD: Final = "ELASTIC_STANDBY_FD"
+"""Set by the agent for a warm standby only: the file descriptor of its link to the agent."""

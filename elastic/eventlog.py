@@ -65,7 +65,8 @@ restored               step (where training resumes), found (a checkpoint was lo
 checkpoint_committed   step, durable_s (save call to commit), world (the checkpoint group's ranks);
                        recorded by every rank of the group, durable on its rank 0
 checkpoint_failed      step, error (the save did not commit; the previous checkpoint stays)
-workers_started        workers (processes started), restart (false for the node's first start)
+workers_started        workers (processes started), restart (false for the node's first start),
+                       warm (it started in a warm standby: :mod:`launch.standby`)
 =====================  ==========================================================================
 
 The loop's events (``step``, ``checkpoint``, ``restored``) and the checkpoint events are

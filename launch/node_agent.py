@@ -76,6 +76,7 @@ from launch.silent_peers import (
     watched_peers,
 )
 from launch.slots import SlotProcess, WorkerCommand, stop_all
+from launch.standby import StandbyPool
 from launch.stores import StorePool
 
 __all__ = ["AgentConfig", "AgentOutcome", "NodeAgent"]
@@ -112,6 +113,8 @@ class AgentConfig:
         build_timeout: Seconds a world's process groups wait for every member
             (``--inplace-build-timeout``); after a failed build the leader waits at most this
             long for the other members' builds to fail too before writing the world again.
+        warm_standby: Keep a warm standby interpreter per slot to start workers in
+            (``--warm-standby``, :mod:`launch.standby`).
     """
 
     job_id: str
@@ -132,6 +135,7 @@ class AgentConfig:
     worker_env: Mapping[str, str] = field(default_factory=dict)
     metrics_port: int | None = None
     build_timeout: float = 10.0
+    warm_standby: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -216,6 +220,12 @@ class NodeAgent:
                                              limit=config.ttl + 1.0)
         self._channel = ChannelServer(self._on_message, self._on_disconnect,
                                       accept=self._is_worker)
+        # Workers start in warm standbys where they can (restarts skip interpreter start-up
+        # and torch's imports); see launch/standby.py.
+        self._standby = (StandbyPool(command.argv[0], config.nproc_per_node,
+                                     self._standby_env)
+                         if config.warm_standby and StandbyPool.supports(command.argv)
+                         else None)
         self._run: RunMembership | None = None
         self._node = new_node_id()
         self._lease_lost = threading.Event()
@@ -539,6 +549,8 @@ class NodeAgent:
                              self.config.last_call, rebuild_after=self.config.build_timeout),
             ttl=self.config.ttl, linger=self.config.linger, on_change=self._push_world,
             on_lease_lost=self._lease_lost.set)
+        if self._standby is not None:
+            self._standby.tick()  # the standbys import torch while the node joins
         self._start_slots_for_join()
         self._run.join(self._record())
         self.events.record("agent_started", node_id=self._node,
@@ -589,6 +601,8 @@ class NodeAgent:
                 f"{self._budget.window:g} s (--max-restarts {self._budget.max_restarts}); it "
                 "left the job, which goes on with the other nodes.")
         self._check_heartbeats()
+        if self._standby is not None:
+            self._standby.tick()
         self._follow_world(run)
         outcome = self._depart_if_done()
         if outcome is not None:
@@ -882,13 +896,19 @@ class NodeAgent:
             return  # leaving: no new worker
         env_vars = self._env_for(slot, world)
         slot.process = SlotProcess.start(self.command, slot.local_rank, slot.incarnation,
-                                         env_vars)
+                                         env_vars, standby=self._standby)
         slot.started_for = world
         slot.restart_at = None
         slot.finished = False
         # elastic_run_worker_restarts_total counts the starts after a slot's first.
         self.events.record("workers_started", round=world.epoch if world else self._epoch(),
-                           workers=1, restart=slot.incarnation > 1)
+                           workers=1, restart=slot.incarnation > 1, warm=slot.process.warm)
+
+    def _standby_env(self, local_rank: int) -> dict[str, str]:
+        """What a worker of ``local_rank`` would start with now, for its standby (the pool
+        drops the world's variables)."""
+        with self._lock:
+            return {**self.command.base_env, **self._env_for(self._slots[local_rank], None)}
 
     def _reap(self) -> None:
         changed = False
@@ -1220,6 +1240,9 @@ class NodeAgent:
         return AgentOutcome(1, "failed", f"job {self.config.job_id} failed: {end.reason}")
 
     def _shutdown(self) -> None:
+        if self._standby is not None:
+            self._standby.close()
+
         self._kill_all()
         if self._reconnect is not None:
             self._reconnect.stop()

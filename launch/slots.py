@@ -19,7 +19,10 @@ import subprocess
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Final
+from typing import TYPE_CHECKING, Final
+
+if TYPE_CHECKING:
+    from launch.standby import StandbyPool
 
 __all__ = ["SlotProcess", "WorkerCommand"]
 
@@ -51,6 +54,7 @@ class SlotProcess:
         proc: The process.
         started_at: ``time.monotonic()`` at start.
         stopping: Set when the agent asked it to stop (its exit is not a crash).
+        warm: Whether it started in a warm standby (:mod:`launch.standby`).
     """
 
     local_rank: int
@@ -58,15 +62,21 @@ class SlotProcess:
     proc: subprocess.Popen[bytes]
     started_at: float = field(default_factory=time.monotonic)
     stopping: bool = False
+    warm: bool = False
 
     @classmethod
     def start(cls, command: WorkerCommand, local_rank: int, incarnation: int,
-              env: Mapping[str, str]) -> SlotProcess:
-        """Starts the worker of ``local_rank`` with ``env`` on top of the base environment."""
+              env: Mapping[str, str], standby: StandbyPool | None = None) -> SlotProcess:
+        """Starts the worker of ``local_rank`` with ``env`` on top of the base environment:
+        in the slot's warm standby if ``standby`` has one that can take it, else cold."""
         full_env = {**command.base_env, **env}
-        proc = subprocess.Popen(list(command.argv), env=full_env, start_new_session=True)
-        logger.info("started worker %d.%d (pid %d)", local_rank, incarnation, proc.pid)
-        return cls(local_rank, incarnation, proc)
+        proc = standby.take(local_rank, full_env, command.argv) if standby is not None else None
+        warm = proc is not None
+        if proc is None:
+            proc = subprocess.Popen(list(command.argv), env=full_env, start_new_session=True)
+        logger.info("started worker %d.%d (pid %d%s)", local_rank, incarnation, proc.pid,
+                    ", in its warm standby" if warm else "")
+        return cls(local_rank, incarnation, proc, warm=warm)
 
     @property
     def pid(self) -> int:

@@ -79,6 +79,14 @@ def children(pid: int) -> list[int]:
         return []
 
 
+def workers(pid: int) -> list[int]:
+    """Direct children of an agent ``pid`` that are workers: not its warm standbys still
+    waiting for a world (``launch.standby``; they are in :func:`tree`)."""
+    from launch.standby import is_standby
+
+    return [c for c in children(pid) if not is_standby(c)]
+
+
 def tree(pid: int) -> list[int]:
     """``pid`` and all its descendants."""
     out = [pid]
@@ -117,7 +125,7 @@ class Agent:
         return self.proc.pid
 
     def worker_pids(self) -> list[int]:
-        return children(self.pid)
+        return workers(self.pid)
 
     def output(self) -> str:
         return self.log.read_text(errors="replace")
