@@ -781,8 +781,14 @@ class NodeAgent:
                 report = slot.report or {}
                 if report.get("before_stop") and report.get("error"):
                     # It was dying of its own error when the restart came: that error
-                    # still counts (every worker dying of it ends the job at once).
-                    self._note_failure(report)
+                    # still counts (every worker dying of it ends the job at once), unless
+                    # it is of a type a dead peer causes and this world names another
+                    # node's worker as lost (survivors of a killed node all die of the
+                    # same "connection closed": no evidence of a bug in the script).
+                    lost_elsewhere = any(not w.startswith(self._node + "/")
+                                         for w in (*world.lost, *world.evicted))
+                    self._note_failure(report, own=not (report.get("peer_type")
+                                                        and lost_elsewhere))
                     logger.warning("worker %s failed (%s) as this node restarted its "
                                    "workers", slot.local_id, report.get("error"))
                 slot.process = None
@@ -1063,6 +1069,16 @@ class NodeAgent:
         others = [s for s in self._slots if s is not slot and s.process is not None]
         stop_all([s.process for s in others if s.process is not None],
                  self.config.shutdown_grace)
+        # Every node of the job restarts, and the next world waits for this node's slots (or
+        # forms without them, and restarts everyone again when they come): a backoff here
+        # stalls the whole job. A peer's failure or a partition is no reason to wait (the
+        # leader decides the next world), and the first crash in the window restarts at once,
+        # as torchrun does; repeated crashes back off 1 s, 2 s, ... (the budget's series,
+        # one step later).
+        if cause != "crash" or self._budget.recent() <= 1:
+            delay = 0.0
+        else:
+            delay /= 2
         for each in self._slots:
             each.process = None
             self._next_incarnation(each)

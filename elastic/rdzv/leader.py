@@ -315,7 +315,8 @@ class LeaderLoop:
         # full world must settle too, or it is formed from stale incarnations, which makes
         # the agents restart again, and again (a storm of empty and full worlds).
         restarting = current is not None and not current.members and current.mode == "restart"
-        if self._settled(proposal, nodes, shortcut=not restarting):
+        if self._settled(proposal, nodes, shortcut=not restarting) or (
+                restarting and _everyone_restarted(nodes, proposal, self._limits.max_nodes)):
             self._write(proposal, current)
             return 0.0
         return self._remaining_settle()
@@ -452,6 +453,24 @@ def _restart_all(current: WorldRecord, nodes: Sequence[NodeRecord],
     return WorldRecord(current.epoch + 1, (), current.store, "restart", departed=departed,
                        lost=tuple(w for w in current.ranks()
                                   if w not in ready and w not in departed))
+
+
+def _everyone_restarted(nodes: Sequence[NodeRecord], proposal: WorldRecord,
+                        max_nodes: int) -> bool:
+    """After restart mode's empty world: whether every live node has published fresh
+    incarnations of all its slots (ready, not running yet), and ``proposal`` takes them all.
+
+    Then nobody the settle could wait for is missing (the stale incarnations it guards
+    against are running ones, and none is left), so the next world is written at once
+    instead of a last call later: that wait was a fixed second of every restart.
+    """
+    live = [n for n in nodes if n.departing is None]
+    if not live or any(not n.workers or any(not w.ready or w.pid for w in n.workers)
+                       for n in live):
+        return False
+    return len(proposal.members) == min(len(live), max_nodes) and all(
+        len(m.workers) == len(n.workers) for m in proposal.members
+        for n in live if n.node == m.node)
 
 
 def _without_workers(nodes: Sequence[NodeRecord], evicted: Sequence[str]) -> list[NodeRecord]:
