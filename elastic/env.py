@@ -116,3 +116,12 @@ modules nearly every training script imports; empty: none). None may initialise 
 
 STANDBY_FD: Final = "ELASTIC_STANDBY_FD"
 """Set by the agent for a warm standby only: the file descriptor of its link to the agent."""
+
+MEMORY_STORE: Final = "ELASTIC_MEMORY_STORE"
+"""Set by the agent for its workers: ``host:port`` of the node's checkpoint memory store, where
+``CheckpointManager`` keeps copies of each committed save and restores from
+(:mod:`checkpointing.memory_tier`; ``--memory-checkpoints``)."""
+
+MEMORY_CHECKPOINTS: Final = "ELASTIC_MEMORY_CHECKPOINTS"
+"""``on`` (default) or ``off``: whether the agent keeps its workers' committed checkpoints in
+host memory for restores (``--memory-checkpoints``)."""

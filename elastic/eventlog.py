@@ -61,7 +61,8 @@ peer_failed            step, error (in place: a collective of the step failed be
 checkpoint             step, blocked_s (time the loop waited on the save), final, wait
                        ("commit": waiting for an earlier save's commit, not starting one)
 restored               step (where training resumes), found (a checkpoint was loaded),
-                       duration_s (time spent loading it)
+                       duration_s (time spent loading it), source (``memory``, ``storage`` or
+                       ``mixed``: :mod:`checkpointing.memory_tier`)
 checkpoint_committed   step, durable_s (save call to commit), world (the checkpoint group's ranks);
                        recorded by every rank of the group, durable on its rank 0
 checkpoint_failed      step, error (the save did not commit; the previous checkpoint stays)

@@ -55,6 +55,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Final
 
+from checkpointing.memory_store import MemoryStore
 from elastic import env
 from elastic.etcd import EtcdClient
 from elastic.eventlog import EventLog
@@ -115,6 +116,8 @@ class AgentConfig:
             long for the other members' builds to fail too before writing the world again.
         warm_standby: Keep a warm standby interpreter per slot to start workers in
             (``--warm-standby``, :mod:`launch.standby`).
+        memory_checkpoints: Hold the workers' committed checkpoints in host memory for
+            restores (``--memory-checkpoints``, :mod:`checkpointing.memory_tier`).
     """
 
     job_id: str
@@ -136,6 +139,7 @@ class AgentConfig:
     metrics_port: int | None = None
     build_timeout: float = 10.0
     warm_standby: bool = False
+    memory_checkpoints: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -226,6 +230,9 @@ class NodeAgent:
                                      self._standby_env)
                          if config.warm_standby and StandbyPool.supports(command.argv)
                          else None)
+        # Copies of the workers' committed checkpoints (theirs and a peer node's), which a
+        # restart loads instead of storage: checkpointing/memory_tier.py.
+        self._memory = MemoryStore(config.addr) if config.memory_checkpoints else None
         self._run: RunMembership | None = None
         self._node = new_node_id()
         self._lease_lost = threading.Event()
@@ -866,6 +873,8 @@ class NodeAgent:
             env.MODE: config.mode,
             **config.worker_env,
         }
+        if self._memory is not None:
+            values[env.MEMORY_STORE] = self._memory.address
         if config.nproc_per_node > 1:
             values.setdefault("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", "1"))
         if world is not None and (mine := world.member(self._node)) is not None:
@@ -1258,7 +1267,8 @@ class NodeAgent:
     def _shutdown(self) -> None:
         if self._standby is not None:
             self._standby.close()
-
+        if self._memory is not None:
+            self._memory.close()
         self._kill_all()
         if self._reconnect is not None:
             self._reconnect.stop()

@@ -166,6 +166,7 @@ def run(args: argparse.Namespace) -> int:
         "interface": interface_of(addr) or "(not local)",
         "elastic mode": agent_config.mode,
         "warm standby": "on" if agent_config.warm_standby else "off",
+        "memory checkpoints": "on" if agent_config.memory_checkpoints else "off",
         "crash budget": f"{args.max_restarts} per {args.restart_window:g} s",
         "node lease ttl": f"{agent_config.ttl} s",
         "worker command": " ".join([entrypoint, *worker_args]),
@@ -227,6 +228,7 @@ def _agent_config(args: argparse.Namespace, config: Any, conf: Any, addr: str,
                     **telemetry.worker_env},
         metrics_port=telemetry.metrics_port, build_timeout=args.inplace_build_timeout,
         warm_standby=getattr(args, "warm_standby", "on") == "on",
+        memory_checkpoints=getattr(args, "memory_checkpoints", "on") == "on",
     )
 
 

@@ -277,7 +277,8 @@ class ElasticLoop(MicroBatching, ManagedWay, InPlaceHooks, StepAgreement, LoopRe
                 "directory or restore the code that wrote it."
             ) from exc
         self._record("restored", round=self._round, step=self.step, found=info is not None,
-                     duration_s=round(time.monotonic() - started, 4))
+                     duration_s=round(time.monotonic() - started, 4),
+                     source=getattr(self.checkpoint, "last_load_source", None))
         if info is None:
             logger.info("fresh start: no committed checkpoint")
             return self.step
