@@ -1,6 +1,7 @@
 """Fixtures shared by every test: a real etcd server on loopback, per-test key prefixes, and
 clusters of network namespaces (``netns_cluster``, ``netns_cluster_factory``: see
-``tests/support/netns_pytest.py``)."""
+``tests/support/netns_pytest.py``); and the CI rule that no test may skip except on GPUs
+(``tests/support/no_silent_skips.py``)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,9 @@ import pytest
 
 from elastic import env
 from tests.support.netns_pytest import netns_cluster, netns_cluster_factory  # noqa: F401
+
+# Under CI=true a skipped test (other than a GPU test) fails the run: see the module.
+from tests.support.no_silent_skips import pytest_configure  # noqa: F401
 
 
 @pytest.fixture(scope="session")
