@@ -13,7 +13,9 @@ torchrun script ``examples/train_torchrun.py`` (float64, Adam, DDP over gloo, it
   tuned rendezvous timeouts (``last_call_timeout=1,keep_alive_interval=1,
   keep_alive_max_attempt=3``; its defaults take 45 s to drop a node) as a fair baseline.
 
-Two faults per run, once the job trains in a world of 3:
+Two faults per run, once the job trains in a world of 3 (and, under elastic-run, once every
+node's warm standby has finished importing: one is started a few seconds after each restart;
+the seconds waited are in the JSON):
 
 1. **worker**: the worker of node 1 is SIGKILLed;
 2. **node**: node 2's whole process tree (agent, worker, anything else it started) is
@@ -40,9 +42,11 @@ A part that ended before the previous one (the world was agreed while the old wo
 still exiting, say) counts 0: the parts add up to the stall. Each figure is the median over
 ``--runs``.
 
-Usage::
+Before and after a change, with torchrun, in one run (``DIR``: a checkout of the code
+before, e.g. ``git worktree add --detach /tmp/before <commit>``)::
 
-    python benchmarks/restart_path.py --runs 3 [--baseline-tree DIR] [--json out.json]
+    python benchmarks/restart_path.py --runs 3 --launchers elastic-run,elastic-run-base,torchrun \
+        --baseline-tree DIR [--json out.json]
 """
 
 from __future__ import annotations
@@ -494,7 +498,10 @@ def main(argv: list[str] | None = None) -> int:
                 server.stop()
     print(f"Restart path, 3 nodes, examples/train_torchrun.py, step time {args.step_time} s, "
           f"{args.runs} run(s); medians in seconds; the parts are node 0's and add up to the "
-          "stall.\n")
+          "stall.")
+    if args.baseline_tree is not None and "elastic-run-base" in launchers:
+        print(f"elastic-run-base: the launcher of {args.baseline_tree} (before).")
+    print()
     print(table(runs, launchers))
     print()
     print(ratios(runs, launchers))
