@@ -314,10 +314,13 @@ def _comm() -> str:
         return "python"
 
 
-def preload(modules: Sequence[str]) -> list[str]:
-    """Imports ``modules``; returns those that could not be imported (they are skipped)."""
+def preload(modules: Sequence[str], stop: Callable[[], bool] = lambda: False) -> list[str]:
+    """Imports ``modules`` until ``stop()`` (checked between two); returns those that could
+    not be imported (they are skipped)."""
     missing = []
     for name in modules:
+        if stop():
+            break
         try:
             importlib.import_module(name)
         except Exception:  # a module this torch build lacks: the script imports it itself
@@ -353,6 +356,11 @@ class _Called:
             with contextlib.suppress(OSError), \
                     open(f"/proc/self/task/{self._main}/comm", "w") as comm:
                 comm.write(self._name)
+
+    def is_called(self) -> bool:
+        """Whether a world (or the end) has come."""
+        with self._lock:
+            return self._called
 
     def ready(self) -> None:
         """The imports are done: named ``elastic-standby`` unless a world already came."""
@@ -404,7 +412,9 @@ def main() -> int:
     name = _comm()
     _set_comm(WARMING_NAME)
     called = _Called(link, name)
-    preload(_preload_list())
+    # A world handed over mid-import stops the rest: the script imports what it needs itself,
+    # so a standby still warming up is never slower than a cold start.
+    preload(_preload_list(), stop=called.is_called)
     tainted = cuda_initialised()
     called.ready()
     with contextlib.suppress(OSError):
