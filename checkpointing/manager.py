@@ -369,6 +369,7 @@ class CheckpointManager:
                     )
                     err.__cause__ = exc
                 committed.set_exception(err)
+                self._copies = {}  # never sent: only committed checkpoints go to memory
                 self._record("checkpoint_failed", step=step,
                              error=str(err).splitlines()[0][:300])
                 return

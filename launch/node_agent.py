@@ -782,6 +782,12 @@ class NodeAgent:
                         "(epoch %d): restarting them", world.epoch,
                         stale[0].started_for.epoch if stale[0].started_for else -1)
             self.events.record("workers_restarted", round=world.epoch, reason="world_changed")
+            # Unready while they stop (a drain can take seconds, and stop_all blocks this
+            # loop): the leader must not count the old incarnations as ready, or it forms
+            # worlds without this node and grows them back with the stale ones, over and over.
+            for slot in stale:
+                slot.ready = False
+            self._publish()
             stop_all([s.process for s in stale if s.process is not None],
                      self.config.shutdown_grace)
             for slot in stale:
@@ -815,6 +821,10 @@ class NodeAgent:
     def _check_join_timeout(self, run: RunMembership) -> AgentOutcome | None:
         world = run.world()
         if world is not None and world.member(self._node) is not None:
+            # The wait counts from the last moment this node was in a world, not from when
+            # it joined that world: a world that trained longer than join_timeout, then
+            # broke, must not end the node on the spot.
+            self._no_world_since = time.monotonic()
             return None
         waited = time.monotonic() - self._no_world_since
         if waited < self.config.join_timeout:
