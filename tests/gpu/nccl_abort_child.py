@@ -38,7 +38,7 @@ from torch._C._distributed_c10d import HashStore
 
 from elastic.inplace.abort import WorldAbort, WorldAbortedError
 from elastic.inplace.groups import abort_groups, build_groups
-from elastic.inplace.step_fence import StepFence
+from elastic.inplace.step_fence import FenceMode, StepFence
 from elastic.process_group import NCCL_ASYNC_ERROR_HANDLING_ENV
 
 SLEEP_S = 3.0  # GPU work queued ahead of the collective
@@ -123,7 +123,7 @@ def main() -> int:
     gpu_free_at = queue_pending_collective(device, cycles)
     times: dict[str, float] = {}
     thread = abort_later(guard, times)
-    fence = StepFence(device, wait=True)
+    fence = StepFence(device, mode=FenceMode.WAIT)
     try:
         fence.before_optimizer_step(guard)
         refused = "nothing raised"
@@ -151,7 +151,7 @@ def main() -> int:
     # 2. The fence that does not wait: the abort notes the step it let through.
     abort_groups(guard)
     torch.cuda.synchronize()  # the first sleep is over
-    later = StepFence(device, wait=False)
+    later = StepFence(device, mode=FenceMode.LATER)
     guard = build(3, device, later)
     gpu_free_at = queue_pending_collective(device, cycles)
     later.before_optimizer_step(guard)  # returns at once: the step is applied
