@@ -34,6 +34,8 @@ class SimEvent:
         (stream or self.sim.main).queue.append(("mark", self))
 
     def query(self) -> bool:
+        if not self.done and self.sim.runs_when_polled:
+            self.sim.advance_any()
         return self.done
 
     def synchronize(self) -> None:
@@ -94,6 +96,9 @@ class StreamSim:
         self.main = SimStream(self, "main")
         self.streams = [self.main]
         self._device: set[int] = set()
+        #: Whether the device makes progress while the host polls an event (as a real one
+        #: does on its own); off, it runs only when the test or a host wait lets it.
+        self.runs_when_polled = False
 
     def new_stream(self, name: str) -> SimStream:
         stream = SimStream(self, name)
@@ -106,6 +111,10 @@ class StreamSim:
 
     def is_device(self, tensor: torch.Tensor) -> bool:
         return tensor.untyped_storage().data_ptr() in self._device
+
+    def advance_any(self) -> bool:
+        """Runs one piece of work of the first stream that can run one."""
+        return any(stream.advance() for stream in self.streams)
 
     def run_all(self) -> None:
         """Advances every stream until none can (round robin)."""
