@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +63,8 @@ def test_a_save_due_while_the_previous_one_is_written_is_deferred_not_waited_for
         for step in loop:
             with torch.no_grad():
                 model.weight.add_(1.0)
+            while step == 3 and manager.busy():  # the buffers, reserved after step 0
+                time.sleep(0.01)
             if step == 9:  # the write of step 4 may finish now
                 written.set()
             if step >= 9:  # from here on steps last longer than a write
