@@ -369,6 +369,7 @@ def _worker(cfg: Config, out: Path, tmp: Path) -> int:
     phases: list[_Phase] = []
 
     # Step time: interleaved blocks.
+    picked = fence.mode if fence is not None else None
     configs = ["plain", "loop"] + (["loop_host_wait"] if fence is not None else [])
     for round_ in range(cfg.rounds):
         order = configs if round_ % 2 == 0 else list(reversed(configs))
@@ -377,14 +378,14 @@ def _worker(cfg: Config, out: Path, tmp: Path) -> int:
                 plain_steps(cfg.block_steps)
             else:
                 if fence is not None:
-                    # A benchmark-only switch of the fence the loop picked (read at start-up
-                    # from ELASTIC_NCCL_STEP_FENCE), to time both in the same process.
-                    fence.mode = FenceMode.WAIT if name == "loop_host_wait" else FenceMode.DEVICE
+                    # A benchmark-only switch of the fence the loop picked (from
+                    # ELASTIC_NCCL_STEP_FENCE at start-up), to time both in one process.
+                    fence.mode = FenceMode.WAIT if name == "loop_host_wait" else picked
                 loop_steps(cfg.block_steps)
             phases.append(_Phase(f"{name} r{round_}", "block", steps=clock.take(),
                                  round=round_, config=name))
     if fence is not None:
-        fence.mode = FenceMode.DEVICE if result["fence"] == "DEVICE" else fence.mode
+        fence.mode = picked
 
     # Saves: ours and DCP at each interval, and ours with the "wait" policy at the fastest.
     intervals = [max(2, round(s / step_s)) for s in cfg.save_every_s]
@@ -418,6 +419,7 @@ def _worker(cfg: Config, out: Path, tmp: Path) -> int:
             loop.saves.restored(base)  # the phase's saves count from its first step
             loop_steps(steps)
             loop.saves.interval = 10**9
+            loop.saves._deferred = None  # a save deferred at the phase's end is not taken
             phase.boundaries = [count - 1 for count, _ in saved_at]
             phase.deferred = sum(1 for s in range(base + 1, base + steps + 1)
                                  if s % interval == 0) - len(saved_at)
