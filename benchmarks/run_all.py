@@ -17,9 +17,8 @@ torchrun's; live metrics cost under 1 % of step time; the sampler's resident mem
 1024-node rendezvous round under 10 s, at 128 nodes no slower than c10d). Below it come
 each benchmark's own detailed table, then the command line, date, commit and machine. A
 benchmark that fails or times out is shown as failed (with its log) and the others still
-run; one that cannot run on this machine
-(the CUDA benchmarks without a GPU) exits 0 with ``{"skipped": reason}`` as its JSON and is
-shown as skipped.
+run; one that cannot run on this machine (the CUDA benchmarks without a GPU) exits 0 with
+``{"skipped": reason}`` as its JSON and is shown as skipped.
 
 Two presets: the default runs the settings each script's docstring gives for the published
 figures (about an hour and a half on 2 cores); ``--quick`` runs small settings for a smoke
