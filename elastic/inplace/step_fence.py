@@ -176,6 +176,7 @@ class StepFence:
                  queue_copy: Callable[[torch.Tensor, torch.Tensor], None] | None = None) -> None:
         self.device = device
         self.mode = FenceMode(mode)
+        self._requested = self.mode  # what configure() resolves again for each loop
         self._current_stream = current_stream or torch.cuda.current_stream
         self._new_event = new_event or torch.cuda.Event
         self._gate_tensors = gate_tensors or _gate_tensors
@@ -205,12 +206,12 @@ class StepFence:
         Raises:
             ConfigError: ``device`` was asked for and ``gate_blocker`` says why it cannot be.
         """
-        if self.mode is FenceMode.DEVICE and gate_blocker is not None:
+        if self._requested is FenceMode.DEVICE and gate_blocker is not None:
             raise ConfigError(
                 f"{STEP_FENCE_ENV}=device cannot gate this loop's steps on the device "
                 f"({gate_blocker}); use the managed loop with a fused optimizer, or set "
                 f"{STEP_FENCE_ENV}=1.")
-        if self.mode is FenceMode.AUTO:
+        if self._requested is FenceMode.AUTO:
             self.mode = FenceMode.WAIT if gate_blocker is not None else FenceMode.DEVICE
             logger.info("step fence: %s%s", "device gate" if gate_blocker is None else
                         "host wait before each optimizer step",

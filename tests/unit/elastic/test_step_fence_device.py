@@ -247,8 +247,7 @@ def test_auto_gates_on_the_device_only_where_the_loop_allows_it() -> None:
     assert fence.wait  # until resolved: the host wait
     fence.configure(None)
     assert fence.mode is FenceMode.DEVICE and not fence.wait
-    fence = StepFence(CUDA1, mode=FenceMode.AUTO)
-    fence.configure("the explicit way")
+    fence.configure("the explicit way")  # a second loop in the same process
     assert fence.mode is FenceMode.WAIT
     with pytest.raises(ConfigError, match=r"^ELASTIC_NCCL_STEP_FENCE=device cannot gate this "
                        r"loop's steps on the device \(SGD cannot skip"):
