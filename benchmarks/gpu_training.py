@@ -504,6 +504,7 @@ def summarize(worker: dict[str, Any], staged: list[dict[str, Any]]) -> dict[str,
             "stalls_over_floor": [s / floor for s in each] if floor > 0 else [],
             "deferred": phase["deferred"]}
     summary["loop_recorded_stall_s"] = [e.get("stall_s") for e in staged]
+    summary["loop_recorded_stage_s"] = [e.get("stage_s") for e in staged]
     warm = worker["warmup_steps"]
     summary["warmup"] = {"max_step_s": max(warm) if warm else None,
                          "median_step_s": statistics.median(warm) if warm else None,
@@ -552,10 +553,13 @@ def table(worker: dict[str, Any], summary: dict[str, Any]) -> str:
             f"{', '.join(f'{s * 1e3:.0f}' for s in each)} | "
             f"{max(over):.2f} | {over[0]:.2f} | {saves['deferred']} |" if each else
             f"| {name} | {saves['interval']} steps | - | no save | - | - | - |")
-    recorded = [s for s in summary["loop_recorded_stall_s"] if s is not None]
+    recorded = [(s, h) for s, h in zip(summary["loop_recorded_stall_s"],
+                                       summary["loop_recorded_stage_s"], strict=True)
+                if s is not None and h is not None]
     warm = summary["warmup"]
-    lines += ["", f"The loop's own records (checkpoint_staged stall_s, ms): "
-              f"{', '.join(f'{s * 1e3:.0f}' for s in recorded) or 'none'}.",
+    lines += ["", "The loop's own records (checkpoint_staged: stall_s, of which the save "
+              "call's host time stage_s; ms): "
+              f"{', '.join(f'{s * 1e3:.0f} ({h * 1e3:.0f})' for s, h in recorded) or 'none'}.",
               f"Warm-up (staging buffers pinned in the background): median step "
               f"{(warm['median_step_s'] or 0) * 1e3:.1f} ms, max "
               f"{(warm['max_step_s'] or 0) * 1e3:.1f} ms; waited "
