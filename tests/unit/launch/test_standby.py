@@ -95,7 +95,6 @@ def test_a_worker_runs_in_its_ready_standby_with_its_world_and_no_cuda(
     pool = pool_factory(env)  # type: ignore[operator]
     (standby,) = pool.pids()
     _wait(lambda: standby_state(standby) == "ready", 90, "the standby to finish importing")
-    handed_at = time.monotonic()
     proc = pool.take(0, {**env, "LOCAL_RANK": "0", "RANK": "5", "WORLD_SIZE": "6"},
                      (*GUARD, str(script), str(out), "--flag"))
     assert proc is not None and proc.pid == standby
@@ -108,9 +107,6 @@ def test_a_worker_runs_in_its_ready_standby_with_its_world_and_no_cuda(
     assert seen["torch_preloaded"] and not seen["user_module_preloaded"]
     assert not seen["cuda_initialized"] and not seen["libcuda_mapped"]
     assert seen["comm"] not in ("elastic-standby", "elastic-warming")
-    # Nothing waits for imports any more: the hand-over to a ready standby is quick even
-    # on a loaded 2-core machine (a cold start imports torch for seconds there).
-    assert time.monotonic() - handed_at < 30
     assert pool.handed_over == 1 and pool.pids() == []
 
 
