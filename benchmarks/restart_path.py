@@ -86,6 +86,8 @@ class Fault:
     stall: float | None = None
     #: Seconds waited before the fault for elastic-run's standbys to finish importing.
     standby_wait: float = 0.0
+    #: The machine's 1-minute load average when the fault was injected.
+    load: float = 0.0
     milestones: dict[str, float] = field(default_factory=dict)
     parts: dict[str, float] = field(default_factory=dict)
     note: str = ""
@@ -393,8 +395,10 @@ def one_run(launcher: str, index: int, workdir: Path, etcd: str | None,
         for kind in FAULTS:
             time.sleep(args.settle)  # trains a while (and refills what a restart used up)
             waited = job.wait_standbys(args.hang_timeout)
+            load = os.getloadavg()[0]
             fault = _fault(job, kind, args.hang_timeout)
             fault.standby_wait = round(waited, 2)
+            fault.load = round(load, 1)
             run.faults[kind] = fault
             print(f"  {launcher} run {index} {kind} kill: stall "
                   f"{fault.stall if fault.stall is None else round(fault.stall, 2)} s "
@@ -501,6 +505,10 @@ def main(argv: list[str] | None = None) -> int:
           "stall.")
     if args.baseline_tree is not None and "elastic-run-base" in launchers:
         print(f"elastic-run-base: the launcher of {args.baseline_tree} (before).")
+    loads = [f.load for r in runs for f in r.faults.values()]
+    if loads:
+        print(f"1-minute load average at the faults: {min(loads):g} to {max(loads):g} "
+              f"({os.cpu_count()} CPUs).")
     print()
     print(table(runs, launchers))
     print()
