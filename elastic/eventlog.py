@@ -61,8 +61,8 @@ peer_failed            step, error (in place: a collective of the step failed be
 checkpoint             step, blocked_s (time the loop waited on the save), final, wait
                        ("commit": waiting for an earlier save's commit, not starting one)
 restored               step (where training resumes), found (a checkpoint was loaded),
-                       duration_s (time spent loading it), source (``memory``, ``storage`` or
-                       ``mixed``: :mod:`checkpointing.memory_tier`)
+                       duration_s (time spent loading it), read_from (``memory``,
+                       ``storage`` or ``mixed``: :mod:`checkpointing.memory_tier`)
 checkpoint_staged      step, bytes, stage_s (the save call's staging), copy_s (its
                        device-to-host copy), held_s (the training stream's wait for that copy),
                        stall_s (the save call plus held_s: how long the save held training

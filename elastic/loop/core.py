@@ -296,7 +296,7 @@ class ElasticLoop(MicroBatching, ManagedWay, InPlaceHooks, StepAgreement, LoopRe
             ) from exc
         self._record("restored", round=self._round, step=self.step, found=info is not None,
                      duration_s=round(time.monotonic() - started, 4),
-                     source=getattr(self.checkpoint, "last_load_source", None))
+                     read_from=getattr(self.checkpoint, "last_load_source", None))
         if info is None:
             logger.info("fresh start: no committed checkpoint")
             return self.step
