@@ -151,6 +151,13 @@ def etcd(request: pytest.FixtureRequest) -> Any:
 
 
 @pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
+    """The undisturbed run's final weights after ``STEPS`` steps (one process)."""
+    root = tmp_path_factory.mktemp("reference")
+    return _reference(root, root / "weights.pt", STEPS)
+
+
+@pytest.fixture(scope="module")
 def restarted(tmp_path_factory: pytest.TempPathFactory, etcd: Any) -> Iterator[dict[str, Any]]:
     root = tmp_path_factory.mktemp("train-torchrun")
     with cluster(root, etcd.endpoint, f"plain-{uuid.uuid4().hex[:8]}") as c:
@@ -177,11 +184,10 @@ def restarted(tmp_path_factory: pytest.TempPathFactory, etcd: Any) -> Iterator[d
 
 @pytest.mark.timeout(420)  # includes the module fixture: a 500-step job and two faults
 def test_worker_and_node_kills_end_with_the_undisturbed_weights(
-    restarted: dict[str, Any],
+    restarted: dict[str, Any], reference: dict[str, torch.Tensor],
 ) -> None:
     job: Job = restarted["job"]
-    want = _reference(restarted["root"], restarted["root"] / "reference.pt", STEPS)
-    _assert_same_weights(dict(torch.load(job.weights, weights_only=True)), want)
+    _assert_same_weights(dict(torch.load(job.weights, weights_only=True)), reference)
     last = max(r["step"] for recs in _timing(job.timing).values()
                for r in recs if r["event"] == "step")
     assert last == STEPS
@@ -208,7 +214,7 @@ def test_the_restarted_workers_ran_in_standbys_started_before_each_fault(
 
 @pytest.mark.timeout(240)
 def test_the_script_resumes_its_own_checkpoint_under_torchrun_on_another_world_size(
-    tmp_path: Path,
+    tmp_path: Path, reference: dict[str, torch.Tensor],
 ) -> None:
     ckpt = tmp_path / "ckpt"
     env = dict(os.environ, OMP_NUM_THREADS="1")
@@ -225,9 +231,8 @@ def test_the_script_resumes_its_own_checkpoint_under_torchrun_on_another_world_s
     assert sorted(p.name for p in ckpt.glob("step-*.pt")) == ["step-00000010.pt",
                                                                "step-00000020.pt"]
     assert not list(ckpt.glob("*.tmp"))
-    torchrun(1, 40, "--weights-out", str(tmp_path / "w.pt"), "--timing-log",
+    torchrun(1, STEPS, "--weights-out", str(tmp_path / "w.pt"), "--timing-log",
              str(tmp_path / "timing"))
     (records,) = _timing(tmp_path / "timing").values()
     assert next(r for r in records if r["event"] == "loaded")["step"] == 20
-    want = _reference(tmp_path, tmp_path / "reference.pt", 40)
-    _assert_same_weights(dict(torch.load(tmp_path / "w.pt", weights_only=True)), want)
+    _assert_same_weights(dict(torch.load(tmp_path / "w.pt", weights_only=True)), reference)
