@@ -4,7 +4,9 @@ The same float64 regression as ``lightning_job.py`` (Adam, a step-wise LR schedu
 randomness in a step), through ``ElasticTrainer``. Every rank appends one JSON line per
 completed optimizer step to ``<audit-dir>/round<R>.rank<K>.jsonl`` (the sample ids it
 trained) and one ``resumed`` line when training starts. Rank 0 saves the final weights to
-``--weights-out`` when the job trains to its last step.
+``--weights-out`` when the job trains to its last step. ``--gate-file PATH`` holds step ``s``
+until the file holds a number above ``s`` (or this rank is asked to drain), so that a test
+decides where each world stops and injects its faults.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -57,10 +60,15 @@ class Regressor(nn.Module):
 class Audit(TrainerCallback):  # type: ignore[misc]
     """One line per completed optimizer step: the ids this rank trained in it."""
 
-    def __init__(self, directory: str, model: Regressor) -> None:
+    def __init__(self, directory: str, model: Regressor, gate_file: str) -> None:
         self.directory = Path(directory)
         self.model = model
+        self.gate_file = gate_file
+        self.released: Callable[[], bool] = lambda: False
         self.file: Any = None
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.hold(state.global_step, args)
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.directory.mkdir(parents=True, exist_ok=True)
@@ -71,6 +79,21 @@ class Audit(TrainerCallback):  # type: ignore[misc]
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._write({"step": state.global_step - 1, "ids": self.model.ids}, args)
         self.model.ids = []
+
+    def hold(self, step: int, args: Any) -> None:
+        """Waits until the gate file allows ``step`` (a missing file allows every step),
+        saying so once in the audit log, or until this rank is asked to drain."""
+        said = False
+        while self.gate_file and not self.released():
+            try:
+                if step < int(Path(self.gate_file).read_text()):
+                    return
+            except (FileNotFoundError, ValueError):
+                return
+            if not said:
+                said = True
+                self._write({"held": step}, args)
+            time.sleep(0.02)
 
     def _write(self, record: dict[str, Any], args: Any) -> None:
         record.update(rank=args.process_index, world=args.world_size,
@@ -90,6 +113,7 @@ def main() -> int:
     parser.add_argument("--dataset-size", type=int, default=64)
     parser.add_argument("--step-time", type=float, default=0.0)
     parser.add_argument("--weights-out", default="")
+    parser.add_argument("--gate-file", default="")
     cli = parser.parse_args()
 
     model = Regressor(cli.step_time)
@@ -100,9 +124,10 @@ def main() -> int:
         per_device_train_batch_size=cli.micro_batch, use_cpu=True, report_to="none",
         disable_tqdm=True, logging_steps=1000,
         dataloader_pin_memory=False)
+    audit = Audit(cli.audit_dir, model, cli.gate_file)
     trainer = ElasticTrainer(model=model, args=args, train_dataset=Synthetic(cli.dataset_size),
-                             global_batch_size=cli.global_batch,
-                             callbacks=[Audit(cli.audit_dir, model)])
+                             global_batch_size=cli.global_batch, callbacks=[audit])
+    audit.released = lambda: trainer.elastic.drain.requested
     trainer.train()
     if args.process_index == 0 and trainer.state.global_step == cli.steps and cli.weights_out:
         torch.save(model.net.state_dict(), cli.weights_out)

@@ -6,6 +6,8 @@ completed optimizer step to ``<audit-dir>/round<R>.rank<K>.jsonl`` (the sample i
 trained) and one ``resumed`` line when training starts, so a test can check which
 checkpoint each world resumed from and that every sample was trained exactly once. Rank 0
 saves the final weights to ``--weights-out`` when the job trains to its last step.
+``--gate-file PATH`` holds step ``s`` until the file holds a number above ``s`` (or this rank
+is asked to drain), so that a test decides where each world stops and injects its faults.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -64,11 +67,18 @@ class Regressor(pl.LightningModule):
 class Audit(pl.Callback):
     """One line per completed optimizer step: the ids this rank trained in it."""
 
-    def __init__(self, directory: str, model: Regressor) -> None:
+    def __init__(self, directory: str, model: Regressor, gate_file: str,
+                 released: Callable[[], bool]) -> None:
         self.directory = Path(directory)
         self.model = model
+        self.gate_file, self.released = gate_file, released
         self.last = -1
         self.file: Any = None
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                             batch: Any, batch_idx: int) -> None:
+        if batch_idx % trainer.accumulate_grad_batches == 0:
+            self.hold(trainer.global_step, trainer)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.directory.mkdir(parents=True, exist_ok=True)
@@ -83,6 +93,21 @@ class Audit(pl.Callback):
             self.last = trainer.global_step
             self._write({"step": trainer.global_step - 1, "ids": self.model.ids}, trainer)
             self.model.ids = []
+
+    def hold(self, step: int, trainer: pl.Trainer) -> None:
+        """Waits until the gate file allows ``step`` (a missing file allows every step),
+        saying so once in the audit log, or until this rank is asked to drain."""
+        said = False
+        while self.gate_file and not self.released():
+            try:
+                if step < int(Path(self.gate_file).read_text()):
+                    return
+            except (FileNotFoundError, ValueError):
+                return
+            if not said:
+                said = True
+                self._write({"held": step}, trainer)
+            time.sleep(0.02)
 
     def _write(self, record: dict[str, Any], trainer: pl.Trainer) -> None:
         record.update(rank=trainer.global_rank, world=trainer.world_size,
@@ -102,6 +127,7 @@ def main() -> int:
     parser.add_argument("--dataset-size", type=int, default=64)
     parser.add_argument("--step-time", type=float, default=0.0)
     parser.add_argument("--weights-out", default="")
+    parser.add_argument("--gate-file", default="")
     args = parser.parse_args()
 
     elastic = ElasticLightning(args.checkpoint_dir, global_batch_size=args.global_batch,
@@ -111,7 +137,8 @@ def main() -> int:
     loader = elastic.dataloader(Synthetic(args.dataset_size))
     trainer = pl.Trainer(**elastic.trainer_kwargs(
         max_steps=args.steps, precision="64-true", logger=False, enable_progress_bar=False,
-        enable_model_summary=False, callbacks=[Audit(args.audit_dir, model)]))
+        enable_model_summary=False,
+        callbacks=[Audit(args.audit_dir, model, args.gate_file, lambda: elastic.drain.requested)]))
     trainer.fit(model, loader, ckpt_path=elastic.resume_path())
     if trainer.global_rank == 0 and trainer.global_step == args.steps and args.weights_out:
         torch.save(model.net.state_dict(), args.weights_out)
