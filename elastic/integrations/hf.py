@@ -363,7 +363,8 @@ def _check_args(args: TrainingArguments) -> None:
     """Refuses arguments that cannot checkpoint an elastic job."""
     if args.save_strategy != SaveStrategy.STEPS:
         raise ConfigError(
-            f"save_strategy ({args.save_strategy}) must be 'steps': an elastic job is one "
+            f"save_strategy ({getattr(args.save_strategy, 'value', args.save_strategy)}) must "
+            "be 'steps': an elastic job is one "
             "endless epoch of fixed global batches; set save_steps too."
         )
     if args.max_steps is None or args.max_steps <= 0:

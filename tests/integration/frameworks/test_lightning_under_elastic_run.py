@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.frameworks.conftest import framework
 from tests.integration.frameworks.scenario import Scenario, check
 from tests.integration.launcher_scripts.harness import etcd_or_skip
+from tests.support.frameworks import framework
 
 pytestmark = [pytest.mark.etcd, pytest.mark.slow, pytest.mark.timeout(900)]
 

@@ -1,4 +1,4 @@
-"""The framework tests need their framework: CI installs it (``.ci/run``), where a missing one
+"""Framework tests need their framework: CI installs it (``.ci/run``), where a missing one
 is a failure; elsewhere a test whose framework is not installed is skipped, saying so."""
 
 from __future__ import annotations
