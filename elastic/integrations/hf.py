@@ -241,6 +241,13 @@ class ElasticTrainer(Trainer):  # type: ignore[misc]
             raise ConfigError(f"global_batch_size ({global_batch_size}) and micro_batch_size "
                               f"({micro}) must be positive integers.")
         env_world = world_from_env()
+        if training_args.world_size != env_world.world_size:
+            raise ConfigError(
+                f"the launcher started {env_world.world_size} workers but Trainer runs this "
+                f"one in a world of ({training_args.world_size}) (parallel mode "
+                f"{training_args.parallel_mode.value}), so they would train as separate jobs; "
+                "on a machine without CUDA pass TrainingArguments(use_cpu=True)."
+            )
         # Trainer's arguments set up the process group (accelerate); its world is ours.
         world = WorkerWorld(rank=training_args.process_index,
                             world_size=training_args.world_size,

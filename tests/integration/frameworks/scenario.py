@@ -317,6 +317,13 @@ def metric(text: str, name: str) -> float:
     raise AssertionError(f"no {name} in the scrape:\n{text[:3000]}")
 
 
+def worst_difference(outcome: Outcome) -> float:
+    """The largest difference between the job's final weights and the undisturbed run's."""
+    assert outcome.weights.keys() == outcome.reference.keys()
+    return max((outcome.weights[k] - outcome.reference[k]).abs().max().item()
+               for k in outcome.weights)
+
+
 def check(outcome: Outcome) -> None:
     """The acceptance assertions shared by both frameworks (module docstring)."""
     # Each world after a fault resumed from the newest committed checkpoint at its start.
@@ -337,9 +344,7 @@ def check(outcome: Outcome) -> None:
     worlds = sorted({r.world for r in outcome.rounds.values()})
     assert {1, 2, 3} <= set(worlds), worlds
     # The final weights are the undisturbed run's.
-    assert outcome.weights.keys() == outcome.reference.keys()
-    worst = max((outcome.weights[k] - outcome.reference[k]).abs().max().item()
-                for k in outcome.weights)
+    worst = worst_difference(outcome)
     assert worst < 1e-9, f"final weights differ from the undisturbed run's by {worst}"
     # The goodput report covers the job's steps, and the departure as planned and drained.
     job = outcome.goodput

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.frameworks.scenario import Scenario, check
+from tests.integration.frameworks.scenario import Scenario, check, worst_difference
 from tests.integration.launcher_scripts.harness import etcd_or_skip
 from tests.support.frameworks import framework
 
@@ -26,4 +26,4 @@ def test_lightning_job_survives_a_worker_kill_a_preemption_and_a_node_kill(
     check(outcome)
     print(f"\nLightning scenario: {outcome.wall_s:.0f} s, worlds "
           f"{[(r.world, r.resumed) for r in outcome.rounds.values()]}, drained at "
-          f"{outcome.drained_at}")
+          f"{outcome.drained_at}, weights within {worst_difference(outcome):.1e}")
