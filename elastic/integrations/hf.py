@@ -176,7 +176,7 @@ class ElasticCallback(TrainerCallback):  # type: ignore[misc]
             parts.drain.uninstall()
         parts.drain.settle()
         parts.reporter.flush()
-        if self._drained_at is not None:
+        if self._drained_at is not None and state.global_step < state.max_steps:
             parts.reporter.drained(self._drained_at)
             raise Drained(self._drained_at)
 

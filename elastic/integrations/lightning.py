@@ -37,6 +37,7 @@ one endless Lightning epoch (``max_steps`` ends it). ``docs/frameworks.md`` list
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any, Final
@@ -70,6 +71,7 @@ DRAINED_EXIT_CODE: Final = 143
 """A drained worker's exit code (``128 + SIGTERM``, as ``examples/train.py``)."""
 
 _NAME = "step-{step:09d}.ckpt"
+_STEP = re.compile(r"step-(\d{9})\.ckpt")
 
 
 class Drained(SystemExit):
@@ -243,7 +245,7 @@ class ElasticCallback(Callback):
         last = step >= trainer.max_steps
         if drain or last or step % elastic.checkpoint_every == 0:
             elastic.save(trainer, step, final=drain or last)
-        if drain:
+        if drain and not last:  # at the last step the job is finished, not drained
             elastic.drain.settle()
             elastic.reporter.drained(step)
             raise Drained(step)
@@ -448,10 +450,19 @@ class ElasticLightning:
             self.reporter.committed(step, took)
 
     def _prune(self) -> None:
+        """Deletes the committed checkpoints beyond ``keep_last``, and the ones older than the
+        newest committed that never were (cut off by a crash before their commit)."""
         committed = self.commits.committed()
-        for old in committed[:-self.keep_last]:
+        doomed = [c.name for c in committed[:-self.keep_last]]
+        if committed:
+            names = {c.name for c in committed}
+            newest = committed[-1].step
+            doomed += [n for n in self.commits.storage.list_names(self.commits.storage.root)
+                       if (found := _STEP.fullmatch(n)) and int(found.group(1)) < newest
+                       and n not in names]
+        for name in doomed:
             try:
-                self.commits.remove(old.name)
+                self.commits.remove(name)
             except OSError as exc:  # an old checkpoint left behind costs space, not training
-                logger.warning("could not delete old checkpoint %s (%s)", old.path, exc)
+                logger.warning("could not delete old checkpoint %s (%s)", name, exc)
 

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from elastic.integrations._drain import DrainAgreement
 
-WORLD = 3
+WORLD = 2
 
 
 def _rank(rank: int, port: int, out: str) -> None:
@@ -25,7 +25,7 @@ def _rank(rank: int, port: int, out: str) -> None:
     stopped = None
     for step in range(1, 200):
         time.sleep(0.004 * (rank + 1))  # ranks of different speeds
-        if rank == 2 and step == 20:
+        if rank == 1 and step == 20:
             drain.request()  # what SIGTERM does on the preempted node only
         tensor = torch.ones(4)
         dist.all_reduce(tensor)  # the step's own collective (DDP's, in a framework)

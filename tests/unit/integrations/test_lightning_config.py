@@ -69,3 +69,18 @@ def test_resume_takes_the_newest_committed_checkpoint_only(tmp_path: Path) -> No
         (tmp_path / f"step-{step:09d}.ckpt").write_bytes(b"c" * 64)
     elastic.commits.commit(f"step-{5:09d}.ckpt", 5, {})
     assert elastic.resume_path() == str(tmp_path / "step-000000005.ckpt")
+
+
+def test_pruning_keeps_the_newest_committed_and_drops_cut_off_ones(tmp_path: Path) -> None:
+    elastic = ElasticLightning(str(tmp_path), global_batch_size=8, keep_last=2)
+    for step in (5, 10, 12, 15, 20):
+        (tmp_path / f"step-{step:09d}.ckpt").write_bytes(b"c" * 64)
+    for step in (5, 10, 15):
+        elastic.commits.commit(f"step-{step:09d}.ckpt", step, {})
+    (tmp_path / "notes.txt").write_text("the user's")
+    elastic._prune()  # what a save does after its commit
+    # 10 and 15 kept; 5 beyond keep_last; 12 never committed and older than the newest;
+    # 20 is newer (being written, or cut off: the next save's prune decides).
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_file()) == [
+        "notes.txt", "step-000000010.ckpt", "step-000000015.ckpt", "step-000000020.ckpt"]
+    assert [c.step for c in elastic.commits.committed()] == [10, 15]
