@@ -166,16 +166,30 @@ class Scenario:
                 str(GLOBAL_BATCH), "--dataset-size", str(DATASET), "--weights-out",
                 str(weights), "--gate-file", gate, *self.extra]
 
-    def reference(self, env: dict[str, str]) -> tuple[dict[str, torch.Tensor],
-                                                       dict[int, list[int]]]:
-        """The undisturbed run: one process, no launcher."""
+    def start_reference(self, env: dict[str, str]) -> subprocess.Popen[bytes]:
+        """Starts the undisturbed run (one process, no launcher) beside the job: it is done
+        long before the job, whose workers spend most of the time starting."""
         root = self.tmp / "reference"
         args = self.script_args(root / "ckpt", root / "audit", root / "weights.pt", "")
-        done = subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True,
-                              text=True, timeout=WAIT_S)
-        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
-        rounds = read_rounds(root / "audit")
-        return torch.load(root / "weights.pt", weights_only=True), final_ids(rounds)
+        log = (self.tmp / "reference.log").open("wb")
+        try:
+            return subprocess.Popen([sys.executable, *args], cwd=REPO, env=env, stdout=log,
+                                    stderr=subprocess.STDOUT, start_new_session=True)
+        finally:
+            log.close()
+
+    def reference(self, proc: subprocess.Popen[bytes]) -> tuple[dict[str, torch.Tensor],
+                                                                 dict[int, list[int]]]:
+        """The undisturbed run's final weights and the ids of each step."""
+        try:
+            code = proc.wait(timeout=WAIT_S)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        root = self.tmp / "reference"
+        assert code == 0, (self.tmp / "reference.log").read_text()[-3000:]
+        return (torch.load(root / "weights.pt", weights_only=True),
+                final_ids(read_rounds(root / "audit")))
 
     def open_gate(self, below: int) -> None:
         """Lets the workers run the steps below ``below``."""
@@ -190,67 +204,74 @@ class Scenario:
             for name in list(c.env):  # elastic-run's defaults, never a developer shell's
                 if name.startswith(("ELASTIC_", "PET_")):
                     del c.env[name]
-            reference, reference_ids = self.reference(c.env)
-            self.open_gate(0)
-            metrics_port = free_port()
-            args = self.script_args(self.ckpt, self.audit, self.weights, str(self.gate))
-            base = ["--etcd", c.endpoint, "--job-id", c.job_id, "--nproc-per-node", "1",
-                    "--min-nodes", "1", "--max-nodes", "3", "--rdzv-conf", RDZV_CONF,
-                    "--monitor-interval", "0.1", "--events-dir", str(self.events)]
-            agents = [
-                c.start([*base, "--metrics-port", str(metrics_port)], args),
-                c.start(base, args),
-                c.start([*base, "--preemption-watch", "aws", "--aws-metadata-url", aws_url],
-                        args),
-            ]
-            restores: list[tuple[str, Round, int]] = []
+            undisturbed = self.start_reference(c.env)
+            try:
+                outcome = self.job(c, aws, aws_url)
+                outcome.reference, outcome.reference_ids = self.reference(undisturbed)
+            finally:
+                if undisturbed.poll() is None:
+                    undisturbed.kill()
+                    undisturbed.wait(30)
+        outcome.wall_s = time.monotonic() - started
+        return outcome
 
-            # 1. A world of 3; a worker SIGKILL (steps since the last save are redone).
-            first = self.world_of(c, 3)
-            self.run_to(c, first, first.resumed + EVERY + 2)
-            victim = self.worker_of(c, agents[1])
-            os.kill(victim, signal.SIGKILL)
-            after_kill = self.world_of(c, 3, after=first.round)
-            restores.append(("worker SIGKILL", after_kill, self.newest_committed(
-                first.resumed + EVERY + 2)))
+    def job(self, c: Cluster, aws: Any, aws_url: str) -> Outcome:
+        """The job on three agents, through the three faults (module docstring)."""
+        self.open_gate(0)
+        metrics_port = free_port()
+        args = self.script_args(self.ckpt, self.audit, self.weights, str(self.gate))
+        base = ["--etcd", c.endpoint, "--job-id", c.job_id, "--nproc-per-node", "1",
+                "--min-nodes", "1", "--max-nodes", "3", "--rdzv-conf", RDZV_CONF,
+                "--monitor-interval", "0.1", "--events-dir", str(self.events)]
+        agents = [
+            c.start([*base, "--metrics-port", str(metrics_port)], args),
+            c.start(base, args),
+            c.start([*base, "--preemption-watch", "aws", "--aws-metadata-url", aws_url], args),
+        ]
+        restores: list[tuple[str, Round, int]] = []
 
-            # 2. A preemption notice on node 2: drain, final checkpoint, node 2 leaves.
-            self.run_to(c, after_kill, after_kill.resumed + 3)
-            aws.preempt()
-            wait_until(lambda: self.departure_noticed(), WAIT_S, "node 2's agent to hear "
-                       "the notice", give_up=c.all_exited)
-            self.open_gate(after_kill.resumed + 30)
-            codes: dict[str, int | None] = {"preempted": agents[2].wait(WAIT_S)}
-            after_drain = self.world_of(c, 2, after=after_kill.round)
-            drained_at = after_drain.resumed
-            restores.append(("preemption notice", after_drain, self.newest_committed(
-                drained_at)))
+        # 1. A world of 3; a worker SIGKILL (steps since the last save are redone).
+        first = self.world_of(c, 3)
+        self.run_to(c, first, first.resumed + EVERY + 2)
+        os.kill(self.worker_of(c, agents[1]), signal.SIGKILL)
+        after_kill = self.world_of(c, 3, after=first.round)
+        restores.append(("worker SIGKILL", after_kill,
+                         self.newest_committed(first.resumed + EVERY + 2)))
 
-            # 3. Node 1's agent and worker SIGKILLed: node 0 goes on alone.
-            self.run_to(c, after_drain, after_drain.resumed + 4)
-            agents[1].kill_tree()
-            alone = self.world_of(c, 1, after=after_drain.round)
-            restores.append(("node SIGKILL", alone, self.newest_committed(
-                after_drain.resumed + 4)))
-            self.run_to(c, alone, alone.resumed + 2)
-            metrics = self.scrape(metrics_port)
-            self.open_gate(STEPS + 1)
-            codes["survivor"] = agents[0].wait(WAIT_S)
-            codes["killed"] = agents[1].proc.poll()
-            goodput = json.loads(subprocess.run(
-                [sys.executable, "-m", "launch", "goodput", str(self.events), "--json"],
-                cwd=REPO, env=c.env, capture_output=True, text=True, timeout=120,
-                check=True).stdout)
-            assert len(goodput) == 1, goodput
-            events = sorted(read_events(self.events), key=lambda e: e["time"])
-            logs = c.logs()
-        assert codes["survivor"] == 0, logs
+        # 2. A preemption notice on node 2: drain, final checkpoint, node 2 leaves.
+        self.run_to(c, after_kill, after_kill.resumed + 3)
+        aws.preempt()
+        wait_until(self.departure_noticed, WAIT_S, "node 2's agent to hear the notice",
+                   give_up=c.all_exited)
+        self.open_gate(after_kill.resumed + 30)
+        codes: dict[str, int | None] = {"preempted": agents[2].wait(WAIT_S)}
+        after_drain = self.world_of(c, 2, after=after_kill.round)
+        restores.append(("preemption notice", after_drain,
+                         self.newest_committed(after_drain.resumed)))
+
+        # 3. Node 1's agent and worker SIGKILLed: node 0 goes on alone.
+        self.run_to(c, after_drain, after_drain.resumed + 4)
+        agents[1].kill_tree()
+        alone = self.world_of(c, 1, after=after_drain.round)
+        restores.append(("node SIGKILL", alone,
+                         self.newest_committed(after_drain.resumed + 4)))
+        self.run_to(c, alone, alone.resumed + 2)
+        metrics = self.scrape(metrics_port)
+        self.open_gate(STEPS + 1)
+        codes["survivor"] = agents[0].wait(WAIT_S)
+        codes["killed"] = agents[1].proc.poll()
+        assert codes["survivor"] == 0, c.logs()
+        goodput = json.loads(subprocess.run(
+            [sys.executable, "-m", "launch", "goodput", str(self.events), "--json"],
+            cwd=REPO, env=c.env, capture_output=True, text=True, timeout=120,
+            check=True).stdout)
+        assert len(goodput) == 1, goodput
         return Outcome(
-            rounds=read_rounds(self.audit), restores=restores, drained_at=drained_at,
-            committed=committed_steps(self.ckpt),
-            weights=torch.load(self.weights, weights_only=True), reference=reference,
-            reference_ids=reference_ids, goodput=goodput[0], metrics=metrics, codes=codes,
-            wall_s=time.monotonic() - started, events=events)
+            rounds=read_rounds(self.audit), restores=restores,
+            drained_at=after_drain.resumed, committed=committed_steps(self.ckpt),
+            weights=torch.load(self.weights, weights_only=True), reference={},
+            reference_ids={}, goodput=goodput[0], metrics=metrics, codes=codes, wall_s=0.0,
+            events=sorted(read_events(self.events), key=lambda e: e["time"]))
 
     # -- waiting ----------------------------------------------------------------------------
 
