@@ -16,13 +16,27 @@ restarting a world whose workers are still starting).
 
 from __future__ import annotations
 
+from typing import Final
+
 import torch
 import torch.distributed as dist
 
 from elastic.boundary_flags import AgreementCadence, BoundaryFlags
 from elastic.loop.signals import DrainSignal
 
-__all__ = ["DrainAgreement"]
+__all__ = ["DRAINED_EXIT_CODE", "DrainAgreement", "Drained"]
+
+DRAINED_EXIT_CODE: Final = 143
+"""A drained worker's exit code (``128 + SIGTERM``, as ``examples/train.py``): a stop, not a
+failure, and not the 0 that tells a launcher the worker finished the job."""
+
+
+class Drained(SystemExit):
+    """Ends a worker that drained, once its final checkpoint is committed."""
+
+    def __init__(self, step: int) -> None:
+        super().__init__(DRAINED_EXIT_CODE)
+        self.step = step
 
 
 class DrainAgreement:

@@ -38,7 +38,7 @@ import inspect
 import logging
 import time
 from collections.abc import Mapping
-from typing import Any, Final
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -50,7 +50,7 @@ from transformers.trainer_utils import SaveStrategy
 from elastic.batching import plan_batches
 from elastic.integrations._commits import CommitLog, Committed
 from elastic.integrations._data import StepBatches
-from elastic.integrations._drain import DrainAgreement
+from elastic.integrations._drain import DRAINED_EXIT_CODE, DrainAgreement, Drained
 from elastic.integrations._reporting import Reporter
 from elastic.integrations._world import WorkerWorld, agree, world_from_env
 from elastic.loop.signals import shield_workers_from_sigterm
@@ -60,18 +60,8 @@ __all__ = ["DRAINED_EXIT_CODE", "Drained", "ElasticCallback", "ElasticTrainer"]
 
 logger = logging.getLogger(__name__)
 
-DRAINED_EXIT_CODE: Final = 143
-"""A drained worker's exit code (``128 + SIGTERM``, as ``examples/train.py``)."""
 
 _PREFIX = "checkpoint"
-
-
-class Drained(SystemExit):
-    """Ends a worker that drained, after its final checkpoint was committed."""
-
-    def __init__(self, step: int) -> None:
-        super().__init__(DRAINED_EXIT_CODE)
-        self.step = step
 
 
 class ElasticCallback(TrainerCallback):  # type: ignore[misc]

@@ -40,7 +40,7 @@ import logging
 import re
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any, Final
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -50,7 +50,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from elastic.integrations._commits import CommitLog, Committed
 from elastic.integrations._data import StepBatches, even_split
-from elastic.integrations._drain import DrainAgreement
+from elastic.integrations._drain import DRAINED_EXIT_CODE, DrainAgreement, Drained
 from elastic.integrations._reporting import Reporter
 from elastic.integrations._world import (
     GROUP_TIMEOUT,
@@ -67,19 +67,8 @@ __all__ = ["DRAINED_EXIT_CODE", "Drained", "ElasticCallback", "ElasticLightning"
 
 logger = logging.getLogger(__name__)
 
-DRAINED_EXIT_CODE: Final = 143
-"""A drained worker's exit code (``128 + SIGTERM``, as ``examples/train.py``)."""
-
 _NAME = "step-{step:09d}.ckpt"
 _STEP = re.compile(r"step-(\d{9})\.ckpt")
-
-
-class Drained(SystemExit):
-    """Ends a worker that drained, after its final checkpoint was committed."""
-
-    def __init__(self, step: int) -> None:
-        super().__init__(DRAINED_EXIT_CODE)
-        self.step = step
 
 
 class FixedBatchDDPStrategy(DDPStrategy):
