@@ -1,8 +1,8 @@
 """Rendezvous at scale: N simulated nodes completing one round, elastic-run versus torch's c10d.
 
 **elastic-run**: each simulated node is what a node agent runs, minus its workers: its own
-etcd client, :func:`~elastic.rdzv.generation.open_run` (which run of the job id to join),
-then :class:`~elastic.rdzv.job.RunMembership` (its own lease carrying its JSON node record,
+etcd client, :func:`~membership.generation.open_run` (which run of the job id to join),
+then :class:`~membership.job.RunMembership` (its own lease carrying its JSON node record,
 its watch of the run's control keys, and the leader loop that campaigns for leadership and,
 once elected, mirrors the node records and writes the world by compare-and-swap). Each node
 record carries ``--workers`` worker slots (8 by default, as on an 8-GPU node), all ready, so
@@ -44,7 +44,7 @@ requests are sent from a helper process per node process, on plain sockets. Four
 processes stand in for a thousand machines here: hundreds of keep-alive threads competing
 for each process's GIL with the nodes under measurement would be late, and a lease refreshed
 late is a node lost, which no real agent suffers. ``--keepalive per-lease`` runs the real
-:class:`~elastic.etcd.Lease` thread per node instead. Likewise etcd keeps its data in
+:class:`~membership.etcd.Lease` thread per node instead. Likewise etcd keeps its data in
 ``/dev/shm`` (``--etcd-dir``): a production etcd has an SSD; this machine's disk swings 3x.
 
 Usage::
@@ -144,9 +144,9 @@ def predicted_load(nodes: int, *, ttl: int | None = None,
     membership does not change. Defaults: the node lease TTL of ``--inplace-ttl`` and the
     client's idle reconnect.
     """
-    from elastic.etcd import WATCH_IDLE_RECONNECT, keep_alive_period
-    from elastic.rdzv.config import DEFAULTS
-    from elastic.rdzv.job import RECORD_CHECK_S
+    from membership.config import DEFAULTS
+    from membership.etcd import WATCH_IDLE_RECONNECT, keep_alive_period
+    from membership.job import RECORD_CHECK_S
 
     ttl = int(DEFAULTS["member_ttl"]) if ttl is None else ttl
     idle = (idle_reconnect or WATCH_IDLE_RECONNECT).total_seconds()
@@ -175,7 +175,7 @@ class _Counters:
 
     def install(self) -> None:
         from elastic import _etcd_watch
-        from elastic.etcd import EtcdClient
+        from membership.etcd import EtcdClient
 
         counters = self
         call, cas = EtcdClient.call, EtcdClient.cas
@@ -226,7 +226,7 @@ def _keepalive_process(endpoint: str, leases: Any, conn: Any, threads: int) -> N
 
     Each lease is refreshed by its own keep-alive request every ``keep_alive_period(ttl)``,
     at its own phase (its grant time), as independent agents refresh theirs: etcd receives
-    exactly the requests that one :class:`~elastic.etcd.Lease` thread per node would send.
+    exactly the requests that one :class:`~membership.etcd.Lease` thread per node would send.
     The client side is cheaper: requests are written and their chunked replies read on plain
     sockets, and, in a process of its own, the refreshes do not wait for the GIL behind the
     hundreds of simulated nodes of their process (on this machine all of them share two
@@ -236,7 +236,7 @@ def _keepalive_process(endpoint: str, leases: Any, conn: Any, threads: int) -> N
     """
     import heapq
 
-    from elastic.etcd import keep_alive_period
+    from membership.etcd import keep_alive_period
 
     lock = threading.Condition()
     heap: list[tuple[float, int, float]] = []  # (next refresh, lease id, period)
@@ -331,7 +331,7 @@ def _share_world_parses() -> None:
     the protocol. Each node still receives the record on its own watch stream and decodes the
     stream's message; only the parsed record (immutable) is shared.
     """
-    from elastic.rdzv.records import WorldRecord
+    from elastic.contract.records import WorldRecord
 
     parse = WorldRecord.loads.__func__  # type: ignore[attr-defined]
     cache: dict[tuple[str, int, bytes], WorldRecord] = {}
@@ -354,7 +354,7 @@ def _share_world_parses() -> None:
 
 def _client_class(leases: Any) -> Any:
     """The real client, or one whose leases the keep-alive process refreshes."""
-    from elastic.etcd import EtcdClient, Lease
+    from membership.etcd import EtcdClient, Lease
 
     if leases is None:
         return EtcdClient
@@ -385,8 +385,8 @@ class _SimNode:
 
     def __init__(self, client: Any, prefix: str, job: str, nodes: int, workers: int,
                  ttl: int, index: int) -> None:
-        from elastic.rdzv.job import new_node_id
-        from elastic.rdzv.records import NodeRecord, WorkerSlot
+        from elastic.contract.records import NodeRecord, WorkerSlot
+        from membership.job import new_node_id
 
         self.client = client
         self.prefix, self.job, self.nodes, self.ttl = prefix, job, nodes, ttl
@@ -401,10 +401,10 @@ class _SimNode:
 
     def join(self, timeout: float) -> None:
         """What an agent does at start: choose the run, publish itself, follow the world."""
-        from elastic.rdzv.generation import open_run
-        from elastic.rdzv.job import RunMembership
-        from elastic.rdzv.keys import JobKeys
-        from elastic.rdzv.leader import RunLimits
+        from membership.generation import open_run
+        from membership.job import RunMembership
+        from membership.keys import JobKeys
+        from membership.leader import RunLimits
 
         try:
             opened = open_run(self.client, JobKeys(self.prefix, self.job))
@@ -432,7 +432,7 @@ def _ours_process(conn: Any, endpoint: str, prefix: str, job: str, first: int, c
     logging.basicConfig(level=logging.ERROR)
     # A node leaving looks like a loss to the others; not news here.
     logging.getLogger("elastic").setLevel(logging.CRITICAL)
-    from elastic.etcd import EtcdConfig
+    from membership.etcd import EtcdConfig
 
     counters = _Counters()
     counters.install()
@@ -950,8 +950,8 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         p.error(f"--backends {args.backends!r}: unknown {sorted(unknown)}; use {OURS},{C10D}")
 
-    from elastic.rdzv.config import DEFAULTS
     from launch.etcd_server import EmbeddedEtcd, free_port
+    from membership.config import DEFAULTS
 
     ttl = args.ttl or int(DEFAULTS["member_ttl"])
     rounds: list[RoundResult] = []

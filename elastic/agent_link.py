@@ -24,7 +24,7 @@ from collections.abc import Callable
 from typing import Any, Final
 
 from elastic import env
-from elastic.rdzv.records import RecordError, WorldRecord
+from elastic.contract.records import RecordError, WorldRecord
 from elastic_errors import ConfigError, JobFatalError
 
 __all__ = ["AgentLink", "current_link", "describe", "link_from_env", "report_failure", "send_all"]

@@ -23,7 +23,7 @@ torch's own ``get_args_parser()``, extended), plus:
   place (:mod:`elastic.inplace`) or every worker restarts on a membership change; ``auto``
   (the default) runs every ``ElasticLoop`` script in place and restarts the others.
 
-The rendezvous is elastic-run's own protocol on etcd (:mod:`elastic.rdzv`); torchrun users get
+The rendezvous is elastic-run's own protocol on etcd (:mod:`membership`); torchrun users get
 the same protocol with ``--rdzv-backend etcd-v3``. Three more forms:
 
 * ``elastic-run status --job-id ID [--etcd ENDPOINTS]`` prints the job's current round and members;
@@ -231,7 +231,7 @@ def _env_int(name: str) -> int | None:
 
 def parse_endpoints(text: str) -> list[str]:
     """Split and validate ``host:port[,host:port...]``; raises ConfigError on bad input."""
-    from elastic.etcd import parse_endpoints as parse
+    from membership.etcd import parse_endpoints as parse
 
     # torchrun's --rdzv-endpoint is host:port; TLS is selected with --rdzv-conf protocol=https.
     return [e.split("://", 1)[-1] for e in parse(text)]

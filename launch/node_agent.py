@@ -1,7 +1,7 @@
 """elastic-run's node agent: one per node, owner of the node's membership and of its workers.
 
 It replaces torch's ``LocalElasticAgent`` (whose private hooks the previous design leaned
-on): the agent speaks the membership protocol of :mod:`elastic.rdzv` itself, starts and
+on): the agent speaks the membership protocol of :mod:`membership` itself, starts and
 watches each worker slot on its own (:mod:`launch.slots`) and is the only process of the
 node that talks to etcd; workers learn their world over the local channel
 (:mod:`launch.channel`).
@@ -22,7 +22,7 @@ What happens when:
 * **A worker falls silent.** A worker that sent no heartbeat for the lease TTL (SIGSTOPped,
   a frozen host thread) is killed and replaced, like a crash but not charged.
 * **A worker holds the step back.** The leader evicts workers every other worker waits for
-  (the progress rule, :func:`elastic.rdzv.proposal.laggards`); their agent kills them and
+  (the progress rule, :func:`membership.proposal.laggards`); their agent kills them and
   starts new incarnations.
 * **The node's lease is lost** (a partition from etcd longer than the TTL). The others have
   dropped the node; its workers are stopped (they must not train in a stale world or commit
@@ -31,7 +31,7 @@ What happens when:
   etcd itself is gone for the whole job: the node stops, naming the endpoints (exit 3). If
   they stopped training when the others must have dropped it, the node was cut off: it keeps
   trying to reach etcd (up to ``join_timeout``), then joins again or ends with the run's
-  outcome if the run ended meanwhile (:mod:`launch.cutoff`).
+  outcome if the run ended meanwhile (:mod:`membership.cutoff`).
 * **A preemption notice.** In place, the node announces it is departing; the leader writes
   a world without it (marked *departed*, a planned change), the node's workers leave at the
   next step boundary, and the survivors go on without restarting or reading storage. In
@@ -56,27 +56,27 @@ from datetime import timedelta
 from typing import Any, Final
 
 from elastic import env
-from elastic.etcd import EtcdClient
+from elastic.contract.records import EndRecord, NodeRecord, WorkerSlot, WorldRecord, worker_id
 from elastic.eventlog import EventLog
-from elastic.inplace.liveness import LivenessSocket, ProbeBook
-from elastic.rdzv.generation import open_run
-from elastic.rdzv.job import RunMembership, new_node_id
-from elastic.rdzv.keys import JobKeys
-from elastic.rdzv.leader import RunLimits
-from elastic.rdzv.records import EndRecord, NodeRecord, WorkerSlot, WorldRecord, worker_id
 from elastic_errors import EtcdUnavailableError
 from launch.budget import CrashBudget
 from launch.channel import ChannelServer, WorkerConnection
-from launch.cutoff import Reconnect, cut_off, ended_while_away, peers_answer
-from launch.silent_peers import (
+from launch.slots import SlotProcess, WorkerCommand, stop_all
+from launch.stores import StorePool
+from membership.cutoff import Reconnect, cut_off, ended_while_away, peers_answer
+from membership.etcd import EtcdClient
+from membership.generation import open_run
+from membership.job import RunMembership, new_node_id
+from membership.keys import JobKeys
+from membership.leader import RunLimits
+from membership.liveness import LivenessSocket, ProbeBook
+from membership.silent_peers import (
     ETCD_CHECK_DEADLINE,
     SilentPeerWatch,
     confirmed_silent,
     lease_unrefreshed,
     watched_peers,
 )
-from launch.slots import SlotProcess, WorkerCommand, stop_all
-from launch.stores import StorePool
 
 __all__ = ["AgentConfig", "AgentOutcome", "NodeAgent"]
 
@@ -436,7 +436,7 @@ class NodeAgent:
         without a leader to write the next world until the lease expired). A silent host
         answers nothing (unknown): with ``silent`` (this node's workers wait for it in a
         collective) it goes too once etcd has had no keep-alive of its lease for a whole
-        period (:mod:`launch.silent_peers`); otherwise its lease decides.
+        period (:mod:`membership.silent_peers`); otherwise its lease decides.
 
         Args:
             nodes: The suspected nodes.
@@ -604,7 +604,7 @@ class NodeAgent:
 
     def _while_cut_off(self, run: RunMembership) -> AgentOutcome | None:
         """etcd could not be watched for the etcd deadline: stop on a job-wide outage, or
-        ride out a cut (see :mod:`launch.cutoff`); returns the outcome if the run ended
+        ride out a cut (see :mod:`membership.cutoff`); returns the outcome if the run ended
         meanwhile.
 
         Raises:
@@ -1051,7 +1051,7 @@ class NodeAgent:
 
     def _note_failure(self, report: Mapping[str, Any], *, own: bool = True) -> None:
         """Keeps the last error this node's workers died of for the leader's "script bug"
-        rule (:func:`~elastic.rdzv.proposal.common_failure`). ``own`` is False for a worker
+        rule (:func:`~membership.proposal.common_failure`). ``own`` is False for a worker
         that died of a peer's failure: survivors of one dead peer all report the same error
         text (naming that peer), which alone is no evidence of a bug in the script."""
         error = report.get("error")

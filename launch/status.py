@@ -129,8 +129,8 @@ def format_status(job_id: str, status: Any, *, now: float | None = None) -> str:
 
 
 def _read(job_id: str, endpoints: str, timeout: float, key_prefix: str) -> Any:
-    from elastic.etcd import EtcdClient, config_from_env
-    from elastic.rdzv.status import read_job_status
+    from membership.etcd import EtcdClient, config_from_env
+    from membership.status import read_job_status
 
     limit = timedelta(seconds=timeout)
     client = EtcdClient(config_from_env(endpoints, request_timeout=limit, deadline=limit))

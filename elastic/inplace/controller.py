@@ -42,13 +42,13 @@ from torch._C._distributed_c10d import TCPStore
 from elastic import env
 from elastic.agent_link import AgentLink
 from elastic.context import ElasticContext, World
+from elastic.contract.records import WorldRecord
 from elastic.failures import is_peer_failure_type
 from elastic.inplace.abort import WorldAbort
 from elastic.inplace.groups import abort_groups, build_groups, set_group_timeout, standby_groups
 from elastic.inplace.heal import HealResult, agree_and_heal
 from elastic.inplace.step_fence import STEP_FENCE_ENV, StepFence, step_fence_from_env
 from elastic.process_group import ProcessGroups
-from elastic.rdzv.records import WorldRecord
 from elastic_errors import ConfigError, ElasticError, JobFatalError
 
 
@@ -74,7 +74,7 @@ DEFAULT_HANG_TIMEOUT_S: Final = 10.0
 DEFAULT_HANG_FACTOR: Final = 10.0
 DEFAULT_MAX_STEP_RETRIES: Final = 3
 #: Waiting in a collective this long (or this many median steps, if longer) makes the agent
-#: look for a peer host that went silent (launch.silent_peers): cheap, and it acts only on
+#: look for a peer host that went silent (membership.silent_peers): cheap, and it acts only on
 #: two independent signs, so it can start early.
 STALL_FLOOR_S: Final = 0.5
 STALL_FACTOR: Final = 3.0
@@ -147,7 +147,7 @@ class InPlaceController:
         self._failed_at: float | None = None
         self._retries: dict[int, int] = {}
         self._tried_epoch = 0
-        # Progress rule (see elastic.rdzv.proposal.laggards).
+        # Progress rule (see membership.proposal.laggards).
         self.hang_timeout = _env_number(env.HANG_TIMEOUT, DEFAULT_HANG_TIMEOUT_S)
         self.hang_factor = _env_number(env.HANG_FACTOR, DEFAULT_HANG_FACTOR)
         self._step_times: deque[float] = deque(maxlen=_STEP_TIMES)

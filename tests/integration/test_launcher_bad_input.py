@@ -76,7 +76,7 @@ def test_unreachable_etcd_fails_within_the_deadline_naming_the_endpoints() -> No
 
 @pytest.mark.etcd
 def test_corrupt_rendezvous_state_is_a_one_sentence_error(etcd: Any) -> None:
-    from elastic.etcd import EtcdClient, EtcdConfig
+    from membership.etcd import EtcdClient, EtcdConfig
 
     job = f"corrupt-{uuid.uuid4().hex[:8]}"
     client = EtcdClient(EtcdConfig(endpoints=(etcd.endpoint,)))
@@ -97,7 +97,7 @@ def test_nproc_per_node_0_is_refused_in_one_sentence_before_anything_starts(
     etcd: Any, tmp_path: Path
 ) -> None:
     """Issue 13, acceptance 3: no etcd key written, no worker started, one line of output."""
-    from elastic.etcd import EtcdClient, EtcdConfig
+    from membership.etcd import EtcdClient, EtcdConfig
 
     job = f"nproc0-{uuid.uuid4().hex[:8]}"
     out = tmp_path / "steps.csv"

@@ -12,7 +12,7 @@ import pytest
 from tests.integration.launcher_scripts.harness import FAST_RDZV_CONF, cluster, wait_until
 
 pytestmark = [pytest.mark.etcd, pytest.mark.slow]
-pytest.importorskip("elastic.rendezvous", reason="elastic.rendezvous has not landed yet")
+pytest.importorskip("membership.rendezvous", reason="membership.rendezvous has not landed yet")
 pytest.importorskip("launch.etcd_server", reason="launch.etcd_server has not landed yet")
 
 

@@ -18,7 +18,7 @@ from tests.integration.launcher_scripts.harness import (
 )
 
 pytestmark = [pytest.mark.etcd, pytest.mark.slow]
-pytest.importorskip("elastic.rendezvous", reason="elastic.rendezvous has not landed yet")
+pytest.importorskip("membership.rendezvous", reason="membership.rendezvous has not landed yet")
 
 
 @pytest.fixture

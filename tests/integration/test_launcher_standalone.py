@@ -10,7 +10,7 @@ import pytest
 from tests.integration.launcher_scripts.harness import REPO, cluster
 
 pytestmark = [pytest.mark.etcd, pytest.mark.slow]
-pytest.importorskip("elastic.rendezvous", reason="elastic.rendezvous has not landed yet")
+pytest.importorskip("membership.rendezvous", reason="membership.rendezvous has not landed yet")
 pytest.importorskip("launch.etcd_server", reason="launch.etcd_server has not landed yet")
 
 EXAMPLE = REPO / "examples" / "train.py"

@@ -16,7 +16,7 @@ from torch.distributed import distributed_c10d
 
 
 def test_the_c10d_store_classes_are_the_public_ones() -> None:
-    # elastic/store.py, elastic/inplace/{groups,controller}.py and launch/stores.py import them
+    # membership/store.py, elastic/inplace/{groups,controller}.py and launch/stores.py import them
     # from torch._C._distributed_c10d only because torch's type stubs do not re-export them.
     import torch._C._distributed_c10d as c10d
 

@@ -12,12 +12,12 @@ from datetime import timedelta
 
 import pytest
 
-from elastic.etcd import EtcdClient, EtcdConfig
-from elastic.rdzv.generation import end_run, open_run
-from elastic.rdzv.job import RunMembership, new_node_id
-from elastic.rdzv.keys import JobKeys
-from elastic.rdzv.leader import RunLimits
-from elastic.rdzv.records import EndRecord, NodeRecord, WorkerSlot, WorldRecord
+from elastic.contract.records import EndRecord, NodeRecord, WorkerSlot, WorldRecord
+from membership.etcd import EtcdClient, EtcdConfig
+from membership.generation import end_run, open_run
+from membership.job import RunMembership, new_node_id
+from membership.keys import JobKeys
+from membership.leader import RunLimits
 
 pytestmark = pytest.mark.etcd
 

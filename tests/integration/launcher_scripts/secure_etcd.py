@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import requests
 
-from elastic.etcd import b64, prefix_range_end
+from membership.etcd import b64, prefix_range_end
 
 _ONE_DAY = datetime.timedelta(days=1)
 

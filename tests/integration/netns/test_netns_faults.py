@@ -44,7 +44,7 @@ from typing import Any
 import pytest
 import torch
 
-from elastic.inplace.liveness import probe
+from membership.liveness import probe
 from tests.integration.training.inplace_audit import Audit, check_exactly_once, read_audit
 from tests.support import hang, proctree
 from tests.support.netns import NetnsCluster
@@ -336,7 +336,7 @@ def test_a_cut_host_is_found_silent_before_its_lease_expires_and_a_partition_nev
     hosts: Run,
 ) -> None:
     # A survivor whose workers wait in a collective for a host that answers no probe and no
-    # longer refreshes its lease revokes that lease at once (launch.silent_peers). The three
+    # longer refreshes its lease revokes that lease at once (membership.silent_peers). The three
     # link cuts (host returns, long cut, silent host) may each be found so (or, if the lease
     # expired first, not). Every node removed so must be one whose host's link was cut at
     # that moment: never the node cut from etcd only (it still answers probes), and never a

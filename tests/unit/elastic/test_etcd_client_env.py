@@ -9,7 +9,7 @@ import requests
 
 from elastic import env
 from elastic.errors import ConfigError
-from elastic.etcd import EtcdConfig, _tls_refusal, config_from_env
+from membership.etcd import EtcdConfig, _tls_refusal, config_from_env
 
 
 @pytest.fixture

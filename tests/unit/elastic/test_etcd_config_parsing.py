@@ -6,8 +6,8 @@ import pytest
 
 from elastic import env
 from elastic.errors import ConfigError
-from elastic.etcd import parse_endpoints
 from launch.etcd_server import EtcdBinaryNotFoundError, find_etcd_binary
+from membership.etcd import parse_endpoints
 
 
 def test_several_endpoints_are_split_and_kept_in_order() -> None:

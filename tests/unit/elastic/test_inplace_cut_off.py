@@ -22,9 +22,9 @@ import torch
 from checkpointing import CheckpointManager
 from checkpointing.errors import CheckpointCommitError
 from elastic.agent_link import AgentLink
+from elastic.contract.records import WorldMember, WorldRecord
 from elastic.inplace.abort import WorldAbort
 from elastic.inplace.controller import InPlaceController
-from elastic.rdzv.records import WorldMember, WorldRecord
 from launch.channel import ChannelServer, WorkerConnection
 
 

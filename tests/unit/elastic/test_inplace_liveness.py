@@ -12,12 +12,12 @@ from collections.abc import Iterator
 
 import pytest
 
-from elastic.inplace.liveness import LivenessSocket, ProbeBook, probe
+from membership.liveness import LivenessSocket, ProbeBook, probe
 
 _CHILD = textwrap.dedent(
     """
     import sys, time
-    from elastic.inplace.liveness import LivenessSocket
+    from membership.liveness import LivenessSocket
     sock = LivenessSocket()
     print(sock.port, flush=True)
     time.sleep(120)

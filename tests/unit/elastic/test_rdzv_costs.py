@@ -1,6 +1,6 @@
 """What membership costs etcd, counted write by write: a join, a heartbeat, a round close.
 
-The agents are real :class:`~elastic.rdzv.job.RunMembership` objects (their lease threads,
+The agents are real :class:`~membership.job.RunMembership` objects (their lease threads,
 watches and leader loops run) over the in-memory etcd of ``tests/fakes.py``, which records
 every write. The same three figures are checked against a real etcd in
 ``tests/integration/etcd/test_rdzv_protocol.py::test_etcd_writes_per_join_heartbeat_and_round``.
@@ -15,11 +15,11 @@ from typing import Any
 
 import pytest
 
-from elastic.rdzv.generation import open_run
-from elastic.rdzv.job import RunMembership
-from elastic.rdzv.keys import JobKeys
-from elastic.rdzv.leader import RunLimits
-from elastic.rdzv.records import NodeRecord, WorkerSlot
+from elastic.contract.records import NodeRecord, WorkerSlot
+from membership.generation import open_run
+from membership.job import RunMembership
+from membership.keys import JobKeys
+from membership.leader import RunLimits
 from tests.fakes import FakeEtcd, fake_client
 
 TTL = 1  # keep-alives every 0.33 s (the lease thread is real; the fake clock never expires it)

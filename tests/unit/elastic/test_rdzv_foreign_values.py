@@ -16,11 +16,17 @@ from typing import Any
 
 import pytest
 
-from elastic.rdzv.generation import end_run, open_run
-from elastic.rdzv.job import RunMembership
-from elastic.rdzv.keys import JobKeys
-from elastic.rdzv.leader import RunLimits
-from elastic.rdzv.records import EndRecord, GenerationRecord, NodeRecord, RecordError, WorkerSlot
+from elastic.contract.records import (
+    EndRecord,
+    GenerationRecord,
+    NodeRecord,
+    RecordError,
+    WorkerSlot,
+)
+from membership.generation import end_run, open_run
+from membership.job import RunMembership
+from membership.keys import JobKeys
+from membership.leader import RunLimits
 from tests.fakes import FakeEtcd, fake_client
 
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 
-from elastic.rdzv.generation import END_KEEP_S, GENERATION_KEEP_S, end_run, open_run
-from elastic.rdzv.keys import JobKeys
-from elastic.rdzv.records import EndRecord, GenerationRecord
+from elastic.contract.records import EndRecord, GenerationRecord
+from membership.generation import END_KEEP_S, GENERATION_KEEP_S, end_run, open_run
+from membership.keys import JobKeys
 from tests.fakes import FakeEtcd, fake_client
 
 BASE = JobKeys("/t", "job")

@@ -5,8 +5,8 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from elastic.rdzv.proposal import Change, classify, common_failure, laggards, next_world
-from elastic.rdzv.records import NodeRecord, WorkerSlot, WorldRecord
+from elastic.contract.records import NodeRecord, WorkerSlot, WorldRecord
+from membership.proposal import Change, classify, common_failure, laggards, next_world
 
 
 def node(name: str, rev: int, slots: int = 1, *, ready: bool = True, inplace: bool = True,
@@ -148,7 +148,7 @@ def test_proposals_are_deterministic_and_respect_the_limits(
 
 
 def test_a_departed_node_whose_record_is_already_gone_is_still_a_departure() -> None:
-    from elastic.rdzv.leader import _cause, _restart_all
+    from membership.leader import _cause, _restart_all
 
     first = propose(None, [node("a", 1), node("b", 2), node("c", 3)])
     assert first is not None

@@ -6,7 +6,7 @@ import pickle
 
 import pytest
 
-from elastic.rdzv.records import (
+from elastic.contract.records import (
     EndRecord,
     GenerationRecord,
     NodeRecord,

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from elastic.errors import ConfigError
-from elastic.store import EtcdV3Store
+from membership.store import EtcdV3Store
 from tests.contracts import StoreContract
 from tests.fakes import FakeEtcd, fake_client
 

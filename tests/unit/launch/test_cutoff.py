@@ -1,5 +1,5 @@
 """Telling a cut-off node from a job-wide etcd outage, and how a run ended while a node was
-away (:mod:`launch.cutoff`); the whole path runs for real in
+away (:mod:`membership.cutoff`); the whole path runs for real in
 ``tests/integration/netns/test_netns_faults.py`` (a cut longer than the etcd deadline)."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import socket
 
 import pytest
 
-from elastic.rdzv.records import GenerationRecord
-from launch.cutoff import (
+from elastic.contract.records import GenerationRecord
+from membership.cutoff import (
     TRAINED_ON_TTLS,
     cut_off,
     ended_while_away,

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from launch.silent_peers import SilentPeerWatch, confirmed_silent, watched_peers
+from membership.silent_peers import SilentPeerWatch, confirmed_silent, watched_peers
 
 
 class _Checks:

@@ -17,7 +17,7 @@ from tenacity import Retrying, before_sleep_log, retry_if_exception_type, wait_e
 __all__ = ["MAX_TXN_OPS", "RETRY_POLICY", "KeyValue", "Transient", "b64", "decode_kv",
            "prefix_range_end"]
 
-logger = logging.getLogger("elastic.etcd")
+logger = logging.getLogger("membership.etcd")
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,7 +11,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass, replace
 from enum import Enum
 
-from elastic.rdzv.records import NodeRecord, WorldMember, WorldRecord, worker_id
+from elastic.contract.records import NodeRecord, WorldMember, WorldRecord, worker_id
 
 __all__ = ["Change", "classify", "common_failure", "failed_builds", "laggards", "next_world"]
 
@@ -188,7 +188,7 @@ def laggards(world: WorldRecord, nodes: Sequence[NodeRecord]) -> tuple[str, ...]
     has no laggard (a network partition between peers): nothing is decided here.
 
     Returns:
-        Job-wide worker ids (:func:`~elastic.rdzv.records.worker_id`) of the laggards.
+        Job-wide worker ids (:func:`~elastic.contract.records.worker_id`) of the laggards.
     """
     by_node = {n.node: n for n in nodes}
     waiting: dict[int, set[str]] = {}

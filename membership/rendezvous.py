@@ -3,9 +3,9 @@
 This module is the target of the ``torchrun.handlers`` entry points ``etcd-v3`` and
 ``elastic-etcd-v3``. torch loads it while ``torch.distributed.elastic.rendezvous`` is being
 imported, so it imports nothing heavy at module level and :func:`torchrun_handler` never
-raises; the handler itself lives in :mod:`elastic.rdzv.torch_handler`. The protocol, its keys
-and its ``--rdzv-conf`` keys are described in :mod:`elastic.rdzv` and
-:mod:`elastic.rdzv.config`.
+raises; the handler itself lives in :mod:`membership.torch_handler`. The protocol, its keys
+and its ``--rdzv-conf`` keys are described in :mod:`membership` and
+:mod:`membership.config`.
 """
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ def create_rdzv_handler(params: RendezvousParameters) -> RendezvousHandler:
     """
     from torch.distributed.elastic.rendezvous import RendezvousConnectionError
 
-    from elastic.rdzv.config import RdzvConf, client_for
-    from elastic.rdzv.torch_handler import EtcdV3RendezvousHandler
     from elastic_errors import EtcdUnavailableError
+    from membership.config import RdzvConf, client_for
+    from membership.torch_handler import EtcdV3RendezvousHandler
 
     conf = RdzvConf.parse(params.config)
     client = client_for(params.endpoint, conf)

@@ -4,7 +4,7 @@ Election is a create-if-absent of the run's ``leader`` key on the candidate's ow
 lease, so the key vanishes with the leader (a crash, a silent host, a clean exit) and the
 survivors race to create it again: one attempt per agent per vacancy, one winner. Only the
 leader mirrors the node records (a prefix watch); from them and the current world it computes
-the next world (:func:`~elastic.rdzv.proposal.next_world`, the same on every agent) and writes
+the next world (:func:`~membership.proposal.next_world`, the same on every agent) and writes
 it by compare-and-swap on the world key's revision:
 
 * a loss (a worker gone, evicted or departing) is written at once: survivors are waiting;
@@ -13,13 +13,13 @@ it by compare-and-swap on the world key's revision:
 * a world whose every worker turned in-place capable is rewritten with ``mode: inplace``
   (same epoch, same ranks);
 * every member reporting the same failure at the same step (the script's own bug) ends the
-  run at once (:func:`~elastic.rdzv.proposal.common_failure`);
+  run at once (:func:`~membership.proposal.common_failure`);
 * workers every other worker waits for (the progress rule) are left out of the next world
-  (:func:`~elastic.rdzv.proposal.laggards`);
+  (:func:`~membership.proposal.laggards`);
 * a world whose process groups a member could not build (a member came too late, or died
   during the build) is written again under the next epoch, with a fresh store, once every
   member node reports the failed build or ``rebuild_after`` seconds after the first report
-  (:func:`~elastic.rdzv.proposal.failed_builds`): otherwise every member would wait for a
+  (:func:`~membership.proposal.failed_builds`): otherwise every member would wait for a
   newer world that no membership change brings.
 
 A CAS the leader loses (a deposed leader, a duplicate after a retry) costs nothing: the watch
@@ -35,10 +35,12 @@ from collections.abc import Callable, Sequence, Set
 from dataclasses import dataclass, field
 from typing import Final
 
-from elastic.etcd import EtcdClient, PrefixWatch, WatchEvent
-from elastic.rdzv.keys import JobKeys
-from elastic.rdzv.node import NodeMembership
-from elastic.rdzv.proposal import (
+from elastic.contract.records import EndRecord, NodeRecord, WorldRecord, parse_nodes
+from elastic_errors import EtcdUnavailableError
+from membership.etcd import EtcdClient, PrefixWatch, WatchEvent
+from membership.keys import JobKeys
+from membership.node import NodeMembership
+from membership.proposal import (
     Change,
     classify,
     common_failure,
@@ -46,9 +48,7 @@ from elastic.rdzv.proposal import (
     laggards,
     next_world,
 )
-from elastic.rdzv.records import EndRecord, NodeRecord, WorldRecord, parse_nodes
-from elastic.rdzv.view import JobView
-from elastic_errors import EtcdUnavailableError
+from membership.view import JobView
 
 __all__ = ["LeaderLoop", "LeaderStats", "RunLimits"]
 

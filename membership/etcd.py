@@ -15,7 +15,7 @@ Every call has a timeout, the endpoints are tried in turn, and transient failure
 one tenacity policy (:data:`RETRY_POLICY`) that ends at the configured deadline, after which
 :class:`~elastic.errors.EtcdUnavailableError` names the endpoints. Leases are kept alive by a
 daemon thread (:class:`Lease`); prefix watches are supervised on daemon threads that reconnect
-and resume (:class:`~elastic._etcd_watch.PrefixWatch`).
+and resume (:class:`~membership._etcd_watch.PrefixWatch`).
 
 Wire notes: the gateway base64-encodes keys and values and sends int64 fields as JSON strings.
 """
@@ -44,8 +44,9 @@ from tenacity import (
 )
 
 from elastic import env
-from elastic._etcd_watch import PrefixWatch, WatchEvent, wait_for_keys
-from elastic._etcd_wire import (
+from elastic_errors import ConfigError, EtcdAccessError, EtcdUnavailableError
+from membership._etcd_watch import PrefixWatch, WatchEvent, wait_for_keys
+from membership._etcd_wire import (
     MAX_TXN_OPS,
     RETRY_POLICY,
     KeyValue,
@@ -54,7 +55,6 @@ from elastic._etcd_wire import (
     decode_kv,
     prefix_range_end,
 )
-from elastic_errors import ConfigError, EtcdAccessError, EtcdUnavailableError
 
 logger = logging.getLogger(__name__)
 

@@ -36,8 +36,8 @@ from datetime import timedelta
 from typing import Any, Final
 
 from elastic import env
-from elastic.etcd import EtcdClient, config_from_env
 from elastic_errors import ConfigError
+from membership.etcd import EtcdClient, config_from_env
 
 __all__ = ["DEFAULTS", "RdzvConf", "client_for"]
 

@@ -44,7 +44,7 @@ class JobKeys:
 
     @property
     def generation_key(self) -> str:
-        """The job id's :class:`~elastic.rdzv.records.GenerationRecord` (no lease)."""
+        """The job id's :class:`~elastic.contract.records.GenerationRecord` (no lease)."""
         return self.job_root + "generation"
 
     @property
@@ -80,7 +80,7 @@ class JobKeys:
 
     @property
     def world(self) -> str:
-        """The :class:`~elastic.rdzv.records.WorldRecord` (written only by CAS)."""
+        """The :class:`~elastic.contract.records.WorldRecord` (written only by CAS)."""
         return self.control + "world"
 
     @property
@@ -90,7 +90,7 @@ class JobKeys:
 
     @property
     def end(self) -> str:
-        """The run's :class:`~elastic.rdzv.records.EndRecord`, on a short linger lease."""
+        """The run's :class:`~elastic.contract.records.EndRecord`, on a short linger lease."""
         return self.control + "end"
 
     @property

@@ -37,10 +37,10 @@ from tenacity import (
     wait_exponential_jitter,
 )
 
-from elastic.inplace.liveness import probe_all
-from elastic.rdzv.job import RunMembership
-from elastic.rdzv.records import GenerationRecord, RecordError
+from elastic.contract.records import GenerationRecord, RecordError
 from elastic_errors import EtcdUnavailableError
+from membership.job import RunMembership
+from membership.liveness import probe_all
 
 __all__ = ["Reconnect", "cut_off", "ended_while_away", "peers_answer", "workers_trained_on"]
 
@@ -126,7 +126,7 @@ def ended_while_away(record: GenerationRecord | None, generation: int
 class Reconnect:
     """Tries, on a daemon thread, to follow the run again after the watch gave up.
 
-    Each attempt resumes the run's watch (:meth:`~elastic.etcd.PrefixWatch.resume`, which
+    Each attempt resumes the run's watch (:meth:`~membership.etcd.PrefixWatch.resume`, which
     waits up to the client's deadline), then reads the job's generation record; attempts
     are spaced by a tenacity policy that stops ``give_up_after`` seconds after the first.
 

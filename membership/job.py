@@ -18,14 +18,14 @@ import urllib.parse
 from collections.abc import Callable
 from typing import Any, Final
 
-from elastic.etcd import EtcdClient
-from elastic.rdzv.generation import DEFAULT_LINGER_S, end_run
-from elastic.rdzv.keys import JobKeys
-from elastic.rdzv.leader import LeaderLoop, RunLimits
-from elastic.rdzv.node import NodeMembership
-from elastic.rdzv.records import EndRecord, NodeRecord, WorldRecord
-from elastic.rdzv.view import JobView
+from elastic.contract.records import EndRecord, NodeRecord, WorldRecord
 from elastic_errors import ConfigError
+from membership.etcd import EtcdClient
+from membership.generation import DEFAULT_LINGER_S, end_run
+from membership.keys import JobKeys
+from membership.leader import LeaderLoop, RunLimits
+from membership.node import NodeMembership
+from membership.view import JobView
 
 __all__ = ["RunMembership", "interface_of", "new_node_id", "registered_address"]
 
@@ -135,7 +135,7 @@ class RunMembership:
 
     Args:
         client: The etcd client.
-        keys: The run's keys (from :func:`~elastic.rdzv.generation.open_run`).
+        keys: The run's keys (from :func:`~membership.generation.open_run`).
         limits: Node counts and settle time.
         ttl: The node lease TTL (how long a silent node stays a member).
         linger: Seconds the run's end record stays for nodes that come late (0: a short

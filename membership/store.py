@@ -18,7 +18,7 @@ from datetime import timedelta
 import torch.distributed as dist
 from torch._C._distributed_c10d import Store
 
-from elastic.etcd import EtcdClient
+from membership.etcd import EtcdClient
 
 
 def _encode(value: str | bytes | Sequence[int]) -> bytes:

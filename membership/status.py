@@ -5,9 +5,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-from elastic.etcd import EtcdClient
-from elastic.rdzv.keys import JobKeys
-from elastic.rdzv.records import (
+from elastic.contract.records import (
     EndRecord,
     GenerationRecord,
     NodeRecord,
@@ -15,6 +13,8 @@ from elastic.rdzv.records import (
     WorldRecord,
     parse_nodes,
 )
+from membership.etcd import EtcdClient
+from membership.keys import JobKeys
 
 __all__ = ["JobStatus", "MemberStatus", "read_job_status"]
 

@@ -41,7 +41,7 @@ from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Final
 
-from elastic.etcd import EtcdClient, keep_alive_period
+from membership.etcd import EtcdClient, keep_alive_period
 
 __all__ = ["SilentPeerWatch", "confirmed_silent", "lease_unrefreshed", "watched_peers"]
 

@@ -1,4 +1,4 @@
-"""Watches over etcd's JSON gateway (private to :mod:`elastic.etcd`, which re-exports them).
+"""Watches over etcd's JSON gateway (private to :mod:`membership.etcd`, which re-exports them).
 
 :class:`PrefixWatch` mirrors every key under a prefix in memory: it reads a snapshot, then
 follows a watch stream from the snapshot's revision on a daemon thread. When the stream breaks
@@ -28,12 +28,12 @@ from typing import Any, Final, Literal, Protocol
 import requests
 from tenacity import retry_if_exception_type, stop_after_delay
 
-from elastic._etcd_wire import RETRY_POLICY, KeyValue, b64, decode_kv, prefix_range_end
 from elastic_errors import EtcdUnavailableError
+from membership._etcd_wire import RETRY_POLICY, KeyValue, b64, decode_kv, prefix_range_end
 
 
 class EtcdClient(Protocol):
-    """What a watch needs from :class:`elastic.etcd.EtcdClient` (no import of it: the
+    """What a watch needs from :class:`membership.etcd.EtcdClient` (no import of it: the
     client imports this module)."""
 
     @property

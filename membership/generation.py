@@ -32,9 +32,9 @@ import logging
 from dataclasses import dataclass
 from typing import Final
 
-from elastic.etcd import EtcdClient, KeyValue
-from elastic.rdzv.keys import JobKeys
-from elastic.rdzv.records import EndRecord, GenerationRecord, RecordError
+from elastic.contract.records import EndRecord, GenerationRecord, RecordError
+from membership.etcd import EtcdClient, KeyValue
+from membership.keys import JobKeys
 
 __all__ = ["DEFAULT_LINGER_S", "END_KEEP_S", "GENERATION_KEEP_S", "Opened", "end_run",
            "open_run"]

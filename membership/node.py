@@ -14,10 +14,10 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, Final
 
-from elastic.etcd import EtcdClient, Lease
-from elastic.rdzv.keys import JobKeys
-from elastic.rdzv.records import NodeRecord
+from elastic.contract.records import NodeRecord
 from elastic_errors import EtcdUnavailableError
+from membership.etcd import EtcdClient, Lease
+from membership.keys import JobKeys
 
 __all__ = ["NodeMembership"]
 

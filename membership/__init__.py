@@ -1,4 +1,20 @@
-"""elastic-run's membership protocol on etcd: JSON node records, one world, one authority.
+"""elastic-run's control plane: etcd, the membership protocol, and telling dead peers from slow.
+
+Only node agents (``launch``) and torchrun's plugin (:mod:`membership.rendezvous`) import this
+package; workers never do (they learn the world from their agent over the local channel, and
+``tests/unit/test_import_rules.py`` fails if a worker-side module imports it). What they share
+with it is :mod:`elastic.contract`. What is here:
+
+* the etcd v3 client and its watch (:mod:`~membership.etcd`), and an etcd ``Store`` for the
+  plugin (:mod:`~membership.store`);
+* the rendezvous protocol: keys, runs, node records, the job view, the leader's pure decisions
+  (:mod:`~membership.decide`) and its loop (:mod:`~membership.leader`), and
+  :class:`~membership.job.RunMembership`, the one object an agent holds;
+* telling a dead or silent peer from a slow one: liveness ports (:mod:`~membership.liveness`),
+  the silent-peer rule (:mod:`~membership.silent_peers`), and the cut-off rule for a node that
+  lost etcd (:mod:`~membership.cutoff`).
+
+The membership protocol on etcd: JSON node records, one world, one authority.
 
 Keys of one job id (``key_prefix`` defaults to ``/elastic``)::
 
@@ -25,5 +41,5 @@ not talk to etcd at all: they learn the world from their node's agent over a loc
 etcd's load grows with nodes, never with workers, and credentials stay with the agent.
 
 Nothing is pickled: every value is JSON with a ``format`` field, parsed field by field
-(:mod:`~elastic.rdzv.records`); a foreign or damaged value is refused with one sentence.
+(:mod:`~elastic.contract.records`); a foreign or damaged value is refused with one sentence.
 """

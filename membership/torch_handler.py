@@ -1,7 +1,7 @@
 """torchrun's plugin: torch's public ``RendezvousHandler`` over elastic-run's protocol.
 
 ``torchrun --rdzv-backend etcd-v3`` (or ``elastic-etcd-v3``) gets the same JSON node records,
-world record and leader as ``elastic-run`` (see :mod:`elastic.rdzv`); nothing is pickled and no
+world record and leader as ``elastic-run`` (see :mod:`membership`); nothing is pickled and no
 private torch hook is used. torch's agent restarts its workers on every membership change
 (restart mode); for in-place reconfiguration use ``elastic-run``.
 
@@ -30,15 +30,15 @@ from torch.distributed.elastic.rendezvous import (
 )
 from torch.distributed.elastic.rendezvous.api import RendezvousStoreInfo
 
-from elastic.etcd import EtcdClient
-from elastic.rdzv.config import RdzvConf
-from elastic.rdzv.generation import open_run
-from elastic.rdzv.job import RunMembership, new_node_id, registered_address
-from elastic.rdzv.keys import JobKeys, validate_job_id
-from elastic.rdzv.leader import RunLimits
-from elastic.rdzv.records import EndRecord, NodeRecord, WorkerSlot, WorldRecord
-from elastic.store import EtcdV3Store
+from elastic.contract.records import EndRecord, NodeRecord, WorkerSlot, WorldRecord
 from elastic_errors import EtcdUnavailableError
+from membership.config import RdzvConf
+from membership.etcd import EtcdClient
+from membership.generation import open_run
+from membership.job import RunMembership, new_node_id, registered_address
+from membership.keys import JobKeys, validate_job_id
+from membership.leader import RunLimits
+from membership.store import EtcdV3Store
 
 __all__ = ["EtcdV3RendezvousHandler"]
 

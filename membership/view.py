@@ -11,9 +11,9 @@ import logging
 import threading
 from collections.abc import Callable, Mapping, Sequence
 
-from elastic.etcd import EtcdClient, KeyValue, PrefixWatch, WatchEvent
-from elastic.rdzv.keys import JobKeys
-from elastic.rdzv.records import EndRecord, RecordError, WorldRecord
+from elastic.contract.records import EndRecord, RecordError, WorldRecord
+from membership.etcd import EtcdClient, KeyValue, PrefixWatch, WatchEvent
+from membership.keys import JobKeys
 
 __all__ = ["JobView"]
 
