@@ -56,6 +56,27 @@ from datetime import timedelta
 from typing import Any, Final
 
 from elastic import env
+from elastic.contract.messages import (
+    BuildFailed,
+    Declare,
+    Drained,
+    End,
+    Exiting,
+    Failure,
+    Finished,
+    Gone,
+    Hello,
+    Lease,
+    Progress,
+    Ready,
+    Resumed,
+    Stalled,
+    Suspect,
+    Waiting,
+    Welcome,
+    WorkerMessage,
+    World,
+)
 from elastic.contract.records import EndRecord, NodeRecord, WorkerSlot, WorldRecord, worker_id
 from elastic.eventlog import EventLog
 from elastic_errors import EtcdUnavailableError
@@ -72,6 +93,7 @@ from membership.leader import RunLimits
 from membership.liveness import LivenessSocket, ProbeBook
 from membership.silent_peers import (
     ETCD_CHECK_DEADLINE,
+    STALL_RULE,
     SilentPeerWatch,
     confirmed_silent,
     lease_unrefreshed,
@@ -336,39 +358,36 @@ class NodeAgent:
         run = self._run
         world = run.world() if run is not None else None
         end = run.view.end() if run is not None else None
-        connection.send({
-            "type": "welcome", "node": self._node,
-            "worker": worker_id(self._node, f"{connection.local_rank}.{connection.incarnation}"),
-            "world": world.to_json() if world is not None else None,
-            "lease_ok": run.node.fresh() if run is not None else True,
-            "end": ({"outcome": end.outcome, "reason": end.reason, "step": end.step}
-                    if end is not None else None),
-        })
+        connection.send(Welcome(
+            node=self._node,
+            worker=worker_id(self._node, f"{connection.local_rank}.{connection.incarnation}"),
+            stall=STALL_RULE, world=world,
+            lease_ok=run.node.fresh() if run is not None else True,
+            end=End(end.outcome, end.reason, end.step) if end is not None else None))
 
-    def _on_message(self, connection: WorkerConnection, message: dict[str, Any]) -> None:
-        kind = message.get("type")
+    def _on_message(self, connection: WorkerConnection, message: WorkerMessage) -> None:
         publish = False
         with self._lock:
             slot = self._slot_of(connection)
             if slot is None:
                 return
-            if kind == "hello":
+            if isinstance(message, Hello):
                 self._welcome(connection)
                 return
-            if kind == "exiting":
+            if isinstance(message, Exiting):
                 connection.exiting = True
                 return
-            if kind == "ready":
+            if isinstance(message, Ready):
                 slot.ready = True
-                slot.inplace = bool(message.get("inplace", False))
+                slot.inplace = message.inplace
                 publish = True
-            elif kind == "declare":
-                slot.inplace = bool(message.get("inplace", True))
+            elif isinstance(message, Declare):
+                slot.inplace = message.inplace
                 publish = True
-            if kind in ("ready", "declare") and isinstance(message.get("max_world"), int):
-                self._max_world = int(message["max_world"])
-            if kind == "progress":
-                step = int(message.get("step", slot.step))
+            if isinstance(message, Ready | Declare) and message.max_world is not None:
+                self._max_world = message.max_world
+            if isinstance(message, Progress):
+                step = message.step
                 if step >= 0 and step != slot.step:
                     # Workers report completed steps only (a new worker's restored or healed
                     # step is no evidence that it trains), and -1 before they complete one:
@@ -378,39 +397,37 @@ class NodeAgent:
                     self._progress_at = time.monotonic()
                 slot.step = step
                 publish = self._clear_failure_past(slot.step)
-            elif kind == "waiting":
-                slot.waiting = {"epoch": int(message["epoch"]), "step": int(message["step"])}
+            elif isinstance(message, Waiting):
+                slot.waiting = {"epoch": message.epoch, "step": message.step}
                 publish = True
-            elif kind == "stalled":
-                self._silent_peers.stalled(int(message["epoch"]), int(message["step"]))
-            elif kind == "resumed":
+            elif isinstance(message, Stalled):
+                self._silent_peers.stalled(message.epoch, message.step)
+            elif isinstance(message, Resumed):
                 self._silent_peers.resumed()
                 publish = slot.waiting is not None
                 slot.waiting = None
-            elif kind == "build_failed":
-                epoch = int(message.get("epoch", -1))
-                if self._failed_build is None or epoch > self._failed_build:
-                    self._failed_build = epoch
+            elif isinstance(message, BuildFailed):
+                if self._failed_build is None or message.epoch > self._failed_build:
+                    self._failed_build = message.epoch
                     publish = True
-            elif kind == "failure":
+            elif isinstance(message, Failure):
                 # A report that came before this agent stopped the worker is the worker's
                 # own failure, even if the stop then ended it (a restart racing its death).
-                slot.report = {**message, "before_stop": slot.process is not None
+                slot.report = {"error": message.error, "step": message.step,
+                               "peer": message.peer, "peer_type": message.peer_type,
+                               "before_stop": slot.process is not None
                                and not slot.process.stopping}
-                if message.get("fatal"):  # a verdict on the whole job (JobFatalError)
-                    self._end(EndRecord("failed", str(message.get("error", "")),
-                                        int(message.get("step", -1))))
-            elif kind == "drained":
+                if message.fatal:  # a verdict on the whole job (JobFatalError)
+                    self._end(EndRecord("failed", message.error, message.step))
+            elif isinstance(message, Drained):
                 # Stopped at a step boundary after a final checkpoint (a peer's notice, or
                 # this node's): not a failure, whatever its exit code.
-                slot.report = {"drained": True, "step": message.get("step")}
-            elif kind == "finished":
-                self._end(EndRecord("finished", "training finished",
-                                    int(message.get("step", -1))))
-            elif kind == "suspect":
-                threading.Thread(target=self._check_suspects,
-                                 args=(list(message.get("nodes", ())),), daemon=True,
-                                 name="elastic-suspects").start()
+                slot.report = {"drained": True, "step": message.step}
+            elif isinstance(message, Finished):
+                self._end(EndRecord("finished", "training finished", message.step))
+            elif isinstance(message, Suspect):
+                threading.Thread(target=self._check_suspects, args=(list(message.nodes),),
+                                 daemon=True, name="elastic-suspects").start()
         if publish:
             self._publish()
 
@@ -506,10 +523,9 @@ class NodeAgent:
         world = run.world()
         end = run.view.end()
         if end is not None:
-            self._channel.broadcast({"type": "end", "outcome": end.outcome,
-                                     "reason": end.reason, "step": end.step})
+            self._channel.broadcast(End(end.outcome, end.reason, end.step))
         elif world is not None:
-            self._channel.broadcast({"type": "world", "world": world.to_json()})
+            self._channel.broadcast(World(world))
         self._wake.set()
 
     # -- the main loop ----------------------------------------------------------------------
@@ -672,7 +688,7 @@ class NodeAgent:
         fresh = run.node.fresh()
         if fresh != self._pushed_lease_ok:
             self._pushed_lease_ok = fresh
-            self._channel.broadcast({"type": "lease", "lease_ok": fresh})
+            self._channel.broadcast(Lease(fresh))
         if not self._lease_lost.is_set():
             return
         if any(s.process is not None and s.process.exit_code() is None for s in self._slots):
@@ -1032,8 +1048,7 @@ class NodeAgent:
             self.events.record("worker_failed", round=world.epoch if world else -1,
                                exit_codes={slot.local_rank: code}, cause=cause,
                                error=report.get("error"))
-            self._channel.broadcast({"type": "gone",
-                                     "workers": [worker_id(self._node, slot.local_id)]})
+            self._channel.broadcast(Gone((worker_id(self._node, slot.local_id),)))
         now = time.monotonic()
         if in_place:
             self._next_incarnation(slot)

@@ -41,9 +41,11 @@ from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Final
 
+from elastic.contract.messages import StallRule
 from membership.etcd import EtcdClient, keep_alive_period
 
-__all__ = ["SilentPeerWatch", "confirmed_silent", "lease_unrefreshed", "watched_peers"]
+__all__ = ["STALL_RULE", "SilentPeerWatch", "confirmed_silent", "lease_unrefreshed",
+           "watched_peers"]
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +56,13 @@ ETCD_CHECK_DEADLINE: Final = timedelta(seconds=1)
 CHECK_INTERVAL_S: Final = 0.25
 #: How many peers each node checks (see :func:`watched_peers`).
 WATCHED_PEERS: Final = 3
+#: A worker that waited in a collective this long (or this many median steps, if longer)
+#: reports ``stalled``, and the check starts: cheap, and it acts only on two independent
+#: signs, so it can start early. Workers get the rule in their agent's welcome.
+STALL_FLOOR_S: Final = 0.5
+STALL_FACTOR: Final = 3.0
+#: The rule as the agent's welcome passes it on to its workers.
+STALL_RULE: Final = StallRule(STALL_FLOOR_S, STALL_FACTOR)
 
 
 def watched_peers(members: Sequence[str], me: str, count: int = WATCHED_PEERS) -> list[str]:

@@ -59,13 +59,10 @@ def violations(package: str, source: str) -> list[str]:
             if _within(module, ("elastic", *CONTROL_PLANE, "checkpointing")) and not _within(
                     module, ("elastic.contract",)) and module != "elastic":
                 found.append(module)
-        elif package in WORKER_SIDE:
-            if _within(module, CONTROL_PLANE):
-                found.append(module)
-        elif package == "membership":
-            if (_within(module, ("elastic", "checkpointing", "launch"))
-                    and module != "elastic" and not _within(module, CONTRACT)):
-                found.append(module)
+        elif (package in WORKER_SIDE and _within(module, CONTROL_PLANE)) or (package == "membership"
+              and _within(module, ("elastic", "checkpointing", "launch"))
+              and module != "elastic" and not _within(module, CONTRACT)):
+            found.append(module)
     return sorted(found)
 
 
