@@ -5,7 +5,8 @@ uses ``membership`` (the control plane: etcd, the rendezvous, liveness) and ``el
 runtime a training script imports), which uses ``checkpointing`` (the checkpoint manager);
 ``membership`` reaches ``elastic`` only through its contract (``elastic.contract``,
 ``elastic.env``), and no worker-side module imports ``membership``. All of them use this
-package, which uses nothing of theirs. Each package keeps its own errors beside its code
+package and ``torch_private`` (torch's private APIs, in one place), which use nothing of
+theirs. Each package keeps its own errors beside its code
 (``checkpointing.errors``, ``elastic.contract.records``) and derives them from
 :class:`ElasticError`, so ``except ElasticError`` catches every error elastic-run raises on its
 own account.

@@ -16,9 +16,9 @@ from collections.abc import Sequence
 from datetime import timedelta
 
 import torch.distributed as dist
-from torch._C._distributed_c10d import Store
 
 from membership.etcd import EtcdClient
+from torch_private import Store
 
 
 def _encode(value: str | bytes | Sequence[int]) -> bytes:

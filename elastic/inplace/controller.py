@@ -37,7 +37,6 @@ from typing import Any, Final, Protocol
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import TCPStore
 
 from elastic import env
 from elastic.agent_link import AgentLink
@@ -62,6 +61,7 @@ from elastic.inplace.heal import HealResult, agree_and_heal
 from elastic.inplace.step_fence import STEP_FENCE_ENV, StepFence, step_fence_from_env
 from elastic.process_group import ProcessGroups
 from elastic_errors import ConfigError, ElasticError, JobFatalError
+from torch_private import TCPStore
 
 
 class ElasticLoop(Protocol):
