@@ -401,10 +401,10 @@ class _SimNode:
 
     def join(self, timeout: float) -> None:
         """What an agent does at start: choose the run, publish itself, follow the world."""
+        from membership.decide import RunLimits
         from membership.generation import open_run
         from membership.job import RunMembership
         from membership.keys import JobKeys
-        from membership.leader import RunLimits
 
         try:
             opened = open_run(self.client, JobKeys(self.prefix, self.job))

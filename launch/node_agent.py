@@ -85,11 +85,11 @@ from launch.channel import ChannelServer, WorkerConnection
 from launch.slots import SlotProcess, WorkerCommand, stop_all
 from launch.stores import StorePool
 from membership.cutoff import Reconnect, cut_off, ended_while_away, peers_answer
+from membership.decide import RunLimits
 from membership.etcd import EtcdClient
 from membership.generation import open_run
 from membership.job import RunMembership, new_node_id
 from membership.keys import JobKeys
-from membership.leader import RunLimits
 from membership.liveness import LivenessSocket, ProbeBook
 from membership.silent_peers import (
     ETCD_CHECK_DEADLINE,

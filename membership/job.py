@@ -20,10 +20,11 @@ from typing import Any, Final
 
 from elastic.contract.records import EndRecord, NodeRecord, WorldRecord
 from elastic_errors import ConfigError
+from membership.decide import RunLimits
 from membership.etcd import EtcdClient
 from membership.generation import DEFAULT_LINGER_S, end_run
 from membership.keys import JobKeys
-from membership.leader import LeaderLoop, RunLimits
+from membership.leader import LeaderLoop
 from membership.node import NodeMembership
 from membership.view import JobView
 

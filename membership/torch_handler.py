@@ -33,11 +33,11 @@ from torch.distributed.elastic.rendezvous.api import RendezvousStoreInfo
 from elastic.contract.records import EndRecord, NodeRecord, WorkerSlot, WorldRecord
 from elastic_errors import EtcdUnavailableError
 from membership.config import RdzvConf
+from membership.decide import RunLimits
 from membership.etcd import EtcdClient
 from membership.generation import open_run
 from membership.job import RunMembership, new_node_id, registered_address
 from membership.keys import JobKeys, validate_job_id
-from membership.leader import RunLimits
 from membership.store import EtcdV3Store
 
 __all__ = ["EtcdV3RendezvousHandler"]

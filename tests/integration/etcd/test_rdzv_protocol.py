@@ -13,11 +13,11 @@ from datetime import timedelta
 import pytest
 
 from elastic.contract.records import EndRecord, NodeRecord, WorkerSlot, WorldRecord
+from membership.decide import RunLimits
 from membership.etcd import EtcdClient, EtcdConfig
 from membership.generation import end_run, open_run
 from membership.job import RunMembership, new_node_id
 from membership.keys import JobKeys
-from membership.leader import RunLimits
 
 pytestmark = pytest.mark.etcd
 

@@ -148,7 +148,7 @@ def test_proposals_are_deterministic_and_respect_the_limits(
 
 
 def test_a_departed_node_whose_record_is_already_gone_is_still_a_departure() -> None:
-    from membership.leader import _cause, _restart_all
+    from membership.decide import _cause, _restart_all
 
     first = propose(None, [node("a", 1), node("b", 2), node("c", 3)])
     assert first is not None

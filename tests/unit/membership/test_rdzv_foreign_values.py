@@ -23,10 +23,10 @@ from elastic.contract.records import (
     RecordError,
     WorkerSlot,
 )
+from membership.decide import RunLimits
 from membership.generation import end_run, open_run
 from membership.job import RunMembership
 from membership.keys import JobKeys
-from membership.leader import RunLimits
 from tests.fakes import FakeEtcd, fake_client
 
 

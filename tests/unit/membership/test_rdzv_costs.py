@@ -16,10 +16,10 @@ from typing import Any
 import pytest
 
 from elastic.contract.records import NodeRecord, WorkerSlot
+from membership.decide import RunLimits
 from membership.generation import open_run
 from membership.job import RunMembership
 from membership.keys import JobKeys
-from membership.leader import RunLimits
 from tests.fakes import FakeEtcd, fake_client
 
 TTL = 1  # keep-alives every 0.33 s (the lease thread is real; the fake clock never expires it)
