@@ -307,6 +307,10 @@ class EtcdClient:
             self.rotate(url)
             raise Transient(f"{url}: HTTP {reply.status_code} {reply.text[:200].strip()}")
         if reply.status_code != 200:
+            if _LEASE_GONE in _grpc_message(reply):
+                raise LeaseGoneError(f"etcd ({url}) no longer holds lease "
+                                     f"{int(payload.get('lease') or payload.get('ID') or 0):x} "
+                                     "(it expired or was revoked)")
             raise EtcdAccessError(_rejection(url, reply, payload.get("key")))
         data: dict[str, Any] = reply.json()
         return data
@@ -525,11 +529,8 @@ class EtcdClient:
 
     def revoke_lease(self, lease_id: int, *, deadline: timedelta | None = None) -> None:
         """Revokes a lease, deleting every key attached to it (``deadline``: see :meth:`call`)."""
-        try:
+        with contextlib.suppress(LeaseGoneError):  # gone already
             self.call("/v3/lease/revoke", {"ID": str(lease_id)}, deadline=deadline)
-        except EtcdUnavailableError as exc:
-            if "lease not found" not in str(exc):
-                raise
 
     def lease(self, ttl: int, *, on_lost: Callable[[Lease], None] | None = None) -> Lease:
         """Grants a lease of ``ttl`` seconds kept alive by a daemon thread (see :class:`Lease`)."""
@@ -578,6 +579,7 @@ def _grpc_message(reply: _Reply) -> str:
 
 
 _AUTH_REVISION_OLD: Final = "revision of auth store is old"
+_LEASE_GONE: Final = "requested lease not found"
 _GATEWAY_CN: Final = "CommonName of client sending a request against gateway"
 _SSL_REASON: Final = re.compile(r"\[SSL: ([A-Z0-9_]+)\] ([^(']+?)\s*\(_ssl")
 # Alerts etcd sends when it rejects the client's certificate (none, or from an unknown CA).
@@ -633,6 +635,12 @@ def _rejection(url: str, reply: _Reply, key: Any = None) -> str:
     else:
         hint = "check the etcd version (3.4 or later) and the request."
     return f"etcd ({url}) rejected the request with HTTP {reply.status_code} ({message}); {hint}"
+
+
+class LeaseGoneError(EtcdUnavailableError):
+    """etcd no longer holds the lease a request named: it expired (etcd stalled, or this
+    process could not refresh it for its TTL) or someone revoked it. A node takes a new lease
+    and joins again (:class:`~membership.node.NodeMembership`)."""
 
 
 class Lease:
@@ -722,6 +730,7 @@ __all__ = [
     "EtcdConfig",
     "KeyValue",
     "Lease",
+    "LeaseGoneError",
     "PrefixWatch",
     "WatchEvent",
     "config_from_env",

@@ -6,29 +6,25 @@ hides how the pieces are wired. See the package docstring for the protocol.
 
 from __future__ import annotations
 
-import array
-import fcntl
-import ipaddress
 import logging
 import secrets
 import socket
-import struct
 import threading
-import urllib.parse
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any, Final
 
 from elastic.contract.records import EndRecord, NodeRecord, WorldRecord
-from elastic_errors import ConfigError
 from membership.decide import RunLimits
 from membership.etcd import EtcdClient
 from membership.generation import DEFAULT_LINGER_S, end_run
 from membership.keys import JobKeys
 from membership.leader import LeaderLoop
-from membership.node import NodeMembership
+from membership.node import DEFAULT_REJOIN_TIMEOUT_S, NodeMembership
+from membership.silent_peers import lease_unrefreshed
 from membership.view import JobView
 
-__all__ = ["RunMembership", "interface_of", "new_node_id", "registered_address"]
+__all__ = ["RunMembership", "new_node_id"]
 
 logger = logging.getLogger(__name__)
 
@@ -46,91 +42,6 @@ def new_node_id(host: str | None = None) -> str:
     return f"{name}-{secrets.token_hex(4)}"
 
 
-def registered_address(local_addr: str | None, endpoint: str) -> str:
-    """The address peers dial to reach this node.
-
-    ``--local-addr`` when given; otherwise the address of the interface this host uses to
-    reach etcd (a UDP ``connect`` sends nothing, it only picks the route), which is the
-    address the other nodes can reach too. ``gethostname()`` is never used: from another
-    pod or host that name usually does not resolve.
-
-    Raises:
-        ConfigError: If neither gives an address.
-    """
-    if local_addr:
-        return local_addr
-    first = endpoint.split(",")[0].strip()
-    parsed = urllib.parse.urlsplit(first if "://" in first else f"http://{first}")
-    host, port = parsed.hostname or "127.0.0.1", parsed.port or 2379
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)
-        family, _, _, _, address = infos[0]
-        with socket.socket(family, socket.SOCK_DGRAM) as probe:
-            probe.connect(address)
-            return str(probe.getsockname()[0])
-    except OSError as exc:
-        raise ConfigError(
-            f"could not find the address that reaches etcd ({first}: {exc}); pass "
-            "--local-addr with this node's address."
-        ) from exc
-
-
-_SIOCGIFCONF = 0x8912
-_IFREQ_SIZE = 40  # struct ifreq on 64-bit Linux: a 16-byte name and a 24-byte union
-_MAX_IPV4_ADDRESSES = 1024
-
-
-def _ipv4_interfaces() -> dict[str, str]:
-    """Every IPv4 address of this host's network namespace -> its interface name (Linux).
-
-    ``SIOCGIFCONF`` lists every configured address, secondary ones too (under their label,
-    e.g. ``eth0:1``, which is what gloo's and NCCL's interface lookups match).
-    """
-    buffer = array.array("B", bytes(_IFREQ_SIZE * _MAX_IPV4_ADDRESSES))
-    address, _ = buffer.buffer_info()
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
-        request = struct.pack("iL", len(buffer), address)
-        used = struct.unpack("iL", fcntl.ioctl(sock.fileno(), _SIOCGIFCONF, request))[0]
-    raw = buffer.tobytes()[:used]
-    found = {}
-    for offset in range(0, used, _IFREQ_SIZE):
-        name = raw[offset:offset + 16].split(b"\0", 1)[0].decode(errors="replace")
-        found[socket.inet_ntoa(raw[offset + 20:offset + 24])] = name
-    return found
-
-
-def _ipv6_interfaces() -> dict[str, str]:
-    """Every IPv6 address of this host's network namespace -> its interface name (Linux)."""
-    found = {}
-    try:
-        with open("/proc/net/if_inet6") as table:
-            for line in table:
-                fields = line.split()
-                if len(fields) >= 6:
-                    found[str(ipaddress.IPv6Address(bytes.fromhex(fields[0])))] = fields[5]
-    except (OSError, ValueError):
-        return {}
-    return found
-
-
-def interface_of(address: str) -> str | None:
-    """The name of this host's network interface that holds ``address`` (``None``: none
-    does, e.g. an address behind NAT, or a system without the Linux interfaces).
-
-    Libraries that pick their own interface (gloo from the hostname, NCCL by its own rules)
-    are told this one, so that every connection a peer dials goes to the registered address.
-    """
-    try:
-        parsed = ipaddress.ip_address(address)
-    except ValueError:
-        return None
-    try:
-        table = _ipv6_interfaces() if parsed.version == 6 else _ipv4_interfaces()
-    except OSError:
-        return None
-    return table.get(str(parsed))
-
-
 class RunMembership:
     """Joins one run as one node and follows its worlds.
 
@@ -143,17 +54,24 @@ class RunMembership:
             while, for ``elastic-run status``).
         on_change: Called (from a watch thread, must not block) whenever the control keys
             change: a new world, a new leader, the run's end.
-        on_lease_lost: Called once when etcd dropped this node (see :class:`NodeMembership`).
+        on_lease_lost: Called each time etcd dropped this node's lease (see
+            :class:`NodeMembership`: the node then joins again on its own, same id).
+        on_rejoined: Called once the node joined again after losing its lease.
+        rejoin_timeout: Seconds a node that lost its lease keeps trying to join again.
     """
 
     def __init__(self, client: EtcdClient, keys: JobKeys, *, limits: RunLimits, ttl: int,
                  linger: int = DEFAULT_LINGER_S, on_change: Callable[[], None] | None = None,
-                 on_lease_lost: Callable[[], None] | None = None) -> None:
+                 on_lease_lost: Callable[[], None] | None = None,
+                 on_rejoined: Callable[[], None] | None = None,
+                 rejoin_timeout: float = DEFAULT_REJOIN_TIMEOUT_S) -> None:
         self.client = client
         self.keys = keys
         self.limits = limits
         self.linger = linger
-        self.node = NodeMembership(client, keys, ttl=ttl, on_lost=on_lease_lost)
+        self._on_rejoined = on_rejoined
+        self.node = NodeMembership(client, keys, ttl=ttl, on_lost=on_lease_lost,
+                                   on_rejoined=self._rejoined, rejoin_timeout=rejoin_timeout)
         self.view = JobView(client, keys, on_change=on_change)
         self.leader = LeaderLoop(client, keys, self.node, self.view, limits, self.end)
         self._stopped = threading.Event()
@@ -174,10 +92,59 @@ class RunMembership:
             if not self.view.watch.failed.is_set() and self.node.repair():
                 self.leader.poke()
 
-    def rejoin(self, record: NodeRecord) -> None:
-        """Joins again under a new node id after the lease was lost (a new incarnation)."""
-        self.node.join(record)
+    def _rejoined(self) -> None:
         self.leader.poke()
+        if self._on_rejoined is not None:
+            self._on_rejoined()
+
+    def in_sync(self) -> bool:
+        """Whether this node is certainly a member now and its view shows the run as of its
+        (re)join: its lease is fresh, and the view has caught up with the put that joined it
+        (a node back from a lost lease must not act on a world older than its return)."""
+        return self.node.fresh() and self.view.revision >= self.node.joined_revision
+
+    def peer_lease(self, node: str, *, deadline: timedelta | None = None) -> int | None:
+        """The lease of another node's record: ``None`` if the record is gone (its lease
+        expired, or it left), 0 if it is on no lease.
+
+        Raises:
+            EtcdUnavailableError: If etcd does not answer within ``deadline``.
+        """
+        kv = self.client.get(self.keys.node(node), deadline=deadline)
+        return None if kv is None else kv.lease
+
+    def lease_unrefreshed(self, lease: int, *, deadline: timedelta) -> bool:
+        """Whether etcd has had no keep-alive of ``lease`` (a peer's) for over a keep-alive
+        period (:func:`~membership.silent_peers.lease_unrefreshed`).
+
+        Raises:
+            EtcdUnavailableError: If etcd does not answer within ``deadline``.
+        """
+        return lease_unrefreshed(self.client, lease, deadline)
+
+    def evict(self, node: str, why: str, *, lease: int | None = None,
+              deadline: timedelta | None = None) -> None:
+        """Removes another node that is gone from the run, as its lease's expiry would, but
+        now: revokes its lease (its record and any leadership go at once), or deletes its
+        record if it holds none. The only membership write one node makes for another.
+
+        Args:
+            node: The node.
+            why: Why it is gone (logged).
+            lease: Its lease, from :meth:`peer_lease` (read again when ``None``).
+            deadline: How long etcd may take to answer.
+
+        Raises:
+            EtcdUnavailableError: If etcd does not answer within ``deadline``.
+        """
+        if lease is None:
+            lease = self.peer_lease(node, deadline=deadline) or 0
+        if lease:
+            self.client.revoke_lease(lease, deadline=deadline)
+        else:
+            self.client.delete(self.keys.node(node))
+        logger.warning("node %s is gone (%s); revoked its lease (its record and any "
+                       "leadership go)", node, why)
 
     def update(self, **changes: Any) -> NodeRecord:
         """Rewrites this node's record with ``changes`` and lets the leader decide again."""

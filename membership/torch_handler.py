@@ -32,11 +32,12 @@ from torch.distributed.elastic.rendezvous.api import RendezvousStoreInfo
 
 from elastic.contract.records import EndRecord, NodeRecord, WorkerSlot, WorldRecord
 from elastic_errors import EtcdUnavailableError
+from membership.address import registered_address
 from membership.config import RdzvConf
 from membership.decide import RunLimits
 from membership.etcd import EtcdClient
 from membership.generation import open_run
-from membership.job import RunMembership, new_node_id, registered_address
+from membership.job import RunMembership, new_node_id
 from membership.keys import JobKeys, validate_job_id
 from membership.store import EtcdV3Store
 

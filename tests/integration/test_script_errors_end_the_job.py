@@ -78,7 +78,7 @@ def _first_failure(agents: list[Agent]) -> float:
         text = agent.output()
         times += [float(t) for t in re.findall(r"\[buggy_train\] rank \d+ raises at ([\d.]+)",
                                                text)]
-        for stamp in re.findall(r"^\[([\d-]+ [\d:]+,\d+)\] WARNING launch\.node_agent: worker "
+        for stamp in re.findall(r"^\[([\d-]+ [\d:]+,\d+)\] WARNING launch\.failure_judge: worker "
                                 r"\S+ failed", text, flags=re.MULTILINE):
             times.append(datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S,%f").timestamp())
     assert times, "no agent reported a failed worker"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import socket
 
 from launch.runner import interface_env
-from membership.job import interface_of, registered_address
+from membership.address import interface_of, registered_address
 
 
 def _outbound_address() -> str:
