@@ -50,6 +50,7 @@ from elastic import env
 from elastic_errors import ConfigError, ElasticError
 from launch.budget import DEFAULT_MAX_RESTARTS, DEFAULT_WINDOW_S
 from launch.exit_codes import EXIT_BAD_INPUT, EXIT_OK, EXIT_RENDEZVOUS, PROG
+from membership.keys import validate_job_id
 
 logger = logging.getLogger(__name__)
 
@@ -277,6 +278,9 @@ def _resolve_rendezvous(args: argparse.Namespace) -> None:
         )
     if args.job_id:
         args.rdzv_id = args.job_id
+    if args.rdzv_id not in ("none", ""):
+        # The rendezvous names etcd keys after it: refused here, before anything starts.
+        validate_job_id(args.rdzv_id)
     if args.standalone:
         args.rdzv_backend = DEFAULT_BACKEND
         if args.rdzv_id in ("none", ""):

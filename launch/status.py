@@ -27,6 +27,7 @@ from typing import Any, Final
 
 from elastic import env
 from elastic_errors import ConfigError, EtcdUnavailableError
+from membership.keys import validate_job_id
 
 EXIT_OK: Final = 0
 EXIT_NOT_FOUND: Final = 1
@@ -312,6 +313,10 @@ def main(argv: Iterable[str]) -> int:
     if args.rate_interval < 0:
         return _fail(f"--rate-interval ({args.rate_interval:g}) must be 0 or more.",
                      EXIT_BAD_INPUT)
+    try:
+        validate_job_id(args.job_id)
+    except ConfigError as exc:
+        return _fail(str(exc), EXIT_BAD_INPUT)
     try:
         status = _read(args.job_id, args.etcd, args.timeout, args.key_prefix)
     except ConfigError as exc:

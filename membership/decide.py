@@ -17,9 +17,13 @@ The rules, in order:
   member is done: end the run (:func:`run_over`);
 * workers every other worker waits for (the progress rule) are evicted: left out of every
   later world;
-* a loss (a worker gone, evicted or departing) is written at once: survivors are waiting;
-  a loss that leaves fewer than ``min_nodes`` nodes writes the empty world (in place, the
-  survivors wait with the state for enough nodes);
+* a loss (a worker gone, evicted or departing) is written at once: survivors are waiting.
+  A loss that leaves fewer than ``min_nodes`` nodes writes the empty world (in place, the
+  survivors wait with the state for enough nodes), except in place when the nodes short of
+  the count are still there, restarting crashed workers (:func:`_present`): the world without
+  those workers is written, and the restarted ones join it like any newcomer. Counting such a
+  node as gone would stall every survivor until its new worker is ready (seconds of
+  interpreter and model start-up) for one worker's crash;
 * growth (joiners) and the first world wait for the last-call settle, unless nobody else can
   come (``max_nodes`` nodes, each with every slot ready);
 * restart mode goes through the empty "everyone restart" world on any change, then forms the
@@ -157,6 +161,9 @@ def decide(current: WorldRecord | InvalidWorld | None, nodes: Sequence[NodeRecor
     memory, candidates = _remember(current, nodes, memory)
     proposal = next_world(current, candidates, min_nodes=limits.min_nodes,
                           max_nodes=limits.max_nodes, used_stores=memory.used_stores)
+    if (proposal is None and current is not None and current.members
+            and current.mode == "inplace"):
+        proposal = _without_restarting(current, candidates, memory, limits)
     if proposal is None and current is not None and current.members:
         empty = _restart_all(current, candidates, memory.departing)
         if empty.lost:
@@ -252,6 +259,26 @@ def _remember(current: WorldRecord | None, nodes: Sequence[NodeRecord],
     memory = replace(memory, departing=frozenset(departing), evicted=frozenset(evicted),
                      evicting=evicting)
     return memory, (_without_workers(nodes, sorted(evicted)) if evicted else list(nodes))
+
+
+def _present(current: WorldRecord, nodes: Sequence[NodeRecord]) -> set[str]:
+    """Nodes of ``current`` that are still in the job: live and not departing. In place, a
+    live member none of whose workers is ready is restarting a crashed one (its agent restarts
+    it at once after the crash budget's backoff, or leaves the job when that is exhausted)."""
+    live = {n.node for n in nodes if n.departing is None and not n.done}
+    return {m.node for m in current.members if m.node in live}
+
+
+def _without_restarting(current: WorldRecord, nodes: Sequence[NodeRecord],
+                        memory: LeaderMemory, limits: RunLimits) -> WorldRecord | None:
+    """In place: the world without crashed workers whose nodes are still present, when only
+    those nodes keep the proposal below ``min_nodes`` (else ``None``)."""
+    proposal = next_world(current, nodes, min_nodes=1, max_nodes=limits.max_nodes,
+                          used_stores=memory.used_stores)
+    if proposal is None:
+        return None
+    present = set(proposal.nodes()) | _present(current, nodes)
+    return proposal if len(present) >= limits.min_nodes else None
 
 
 def _replace_invalid(current: InvalidWorld, nodes: Sequence[NodeRecord],

@@ -214,7 +214,7 @@ class NodeMembership:
     def _rejoin(self) -> None:
         policy = Retrying(
             stop=stop_after_delay(self._rejoin_timeout),
-            wait=wait_exponential_jitter(initial=0.1, max=2.0),
+            wait=wait_exponential_jitter(multiplier=0.1, max=2.0, jitter=0.2),
             retry=retry_if_exception_type(EtcdUnavailableError),
             before_sleep=before_sleep_log(logger, logging.DEBUG),
             reraise=True,

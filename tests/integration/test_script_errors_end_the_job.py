@@ -156,3 +156,78 @@ def test_a_fault_that_survives_every_reconfiguration_stops_the_job_naming_the_st
                 r"2 times \(last error: [^;]+\); stopping, since a fault that survives every "
                 r"reconfiguration is not a lost peer \(ELASTIC_MAX_STEP_RETRIES raises the "
                 r"limit\)\.", last), f"{agent.log.name}:\n{agent.output()[-4000:]}"
+
+
+# -- a script that dies before its first step (issue 25, fault 3) ----------------------------
+#
+# Before elastic.init() the script cannot report anything over the channel: an unknown flag
+# (argparse exits 2), an ImportError, a SyntaxError. The agent reads the last line of its
+# standard error instead. Such a job went round the whole crash budget with backoff (48 s for
+# ``--standalone examples/train.py --bogus-flag``) and ended with "...which goes on with the
+# other nodes", naming no error, on a job with no other node.
+
+EARLY_LIMIT_S = 10.0
+
+
+def _first_worker_failure(agent: Agent) -> float:
+    stamps = re.findall(r"^\[([\d-]+ [\d:]+,\d+)\] WARNING launch\.failure_judge: worker \S+ "
+                        r"failed", agent.output(), flags=re.MULTILINE)
+    assert stamps, f"no failed worker reported:\n{agent.output()[-3000:]}"
+    return datetime.strptime(stamps[0], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+
+
+def test_an_unknown_flag_ends_a_standalone_job_within_10_s_with_argparses_error(
+    tmp_path: Path,
+) -> None:
+    with cluster(tmp_path, "unused", f"flag-{uuid.uuid4().hex[:8]}") as c:
+        for name in list(c.env):
+            if name.startswith(("ELASTIC_", "PET_")):
+                del c.env[name]
+        agent = c.start(["--standalone"], [str(REPO / "examples" / "train.py"), "--bogus-flag"])
+        code = agent.wait(120)
+        ended = time.time()
+        assert code == 1, agent.output()[-4000:]
+        took = ended - _first_worker_failure(agent)
+        print(f"unknown flag: the job ended {took:.1f} s after the first worker failed")
+        last = _last_line(agent)
+        assert last.startswith("elastic-run: error: job ") and last.endswith(
+            "failed: the training script failed on every worker before its first step: "
+            "train.py: error: unrecognized arguments: --bogus-flag"), agent.output()[-4000:]
+        assert "goes on with the other nodes" not in agent.output()
+        assert took < EARLY_LIMIT_S, f"the job ended {took:.1f} s after the first failure"
+
+
+def test_an_import_error_on_every_worker_of_two_nodes_ends_the_job_naming_it(
+    request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    etcd: Any = etcd_or_skip(request)
+    script = tmp_path / "broken.py"
+    script.write_text("import elastic_run_has_no_such_module  # noqa\n")
+    with cluster(tmp_path, etcd.endpoint, f"import-{uuid.uuid4().hex[:8]}") as c:
+        agents = _start(c, 2, [str(script)], flags=("--nproc-per-node", "2"))
+        codes = [a.wait(120) for a in agents]
+        assert codes == [1, 1], c.logs()
+        first = min(_first_worker_failure(a) for a in agents)
+        for agent in agents:
+            assert _last_line(agent).endswith(
+                "before its first step: ModuleNotFoundError: No module named "
+                "'elastic_run_has_no_such_module'"), agent.output()[-4000:]
+        print(f"ImportError: both nodes ended {time.time() - first:.1f} s after the first "
+              "failure")
+
+
+def test_a_node_out_of_budget_with_no_other_node_does_not_say_the_job_goes_on(
+    tmp_path: Path,
+) -> None:
+    """Different errors each time (no common failure): the crash budget decides."""
+    script = tmp_path / "flaky.py"
+    script.write_text("import sys, uuid\nsys.exit(f'lost a coin toss {uuid.uuid4().hex}')\n")
+    with cluster(tmp_path, "unused", f"budget-{uuid.uuid4().hex[:8]}") as c:
+        for name in list(c.env):
+            if name.startswith(("ELASTIC_", "PET_")):
+                del c.env[name]
+        agent = c.start(["--standalone", "--max-restarts", "1"], [str(script)])
+        assert agent.wait(120) == 1, agent.output()[-4000:]
+        assert _last_line(agent) == (
+            "elastic-run: error: this node's workers crashed 2 times within 3600 s "
+            "(--max-restarts 1); it left the job, and no other node is in it.")
