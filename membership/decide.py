@@ -209,12 +209,10 @@ def decide(current: WorldRecord | InvalidWorld | None, nodes: Sequence[NodeRecor
                      and w not in proposal.departed and w not in evicted)
         return _write(proposal.with_changes(evicted=evicted, lost=lost), current, nodes, memory)
     # After a restart-mode "everyone restart" world, the node records still show the
-    # incarnations being restarted as ready until their agents publish the new ones: a full
-    # world must settle too, or it is formed from stale incarnations, which makes the agents
-    # restart again, and again (a storm of empty and full worlds).
-    restarting = current is not None and not current.members and current.mode == "restart"
-    settled, memory = _settled(proposal, candidates, memory, limits, now,
-                               shortcut=not restarting)
+    # incarnations being restarted as running until their agents publish the new ones;
+    # next_world leaves those out, so a complete world of new incarnations (every node,
+    # every slot) is written at once, and anything less waits for the last call.
+    settled, memory = _settled(proposal, candidates, memory, limits, now)
     if settled:
         return _write(proposal, current, nodes, memory)
     return Wait(_remaining(memory, limits, now)), memory
@@ -321,15 +319,12 @@ def _rebuild_wait(current: WorldRecord, nodes: Sequence[NodeRecord], memory: Lea
 
 
 def _settled(proposal: WorldRecord, nodes: Sequence[NodeRecord], memory: LeaderMemory,
-             limits: RunLimits, now: float, *, shortcut: bool = True
-             ) -> tuple[bool, LeaderMemory]:
-    """Whether ``proposal`` stayed the same for the last call (or, with ``shortcut``,
-    nobody else can come)."""
+             limits: RunLimits, now: float) -> tuple[bool, LeaderMemory]:
+    """Whether ``proposal`` stayed the same for the last call, or nobody else can come."""
     signature = (proposal.ranks(), proposal.mode)
     if memory.pending != signature:
         memory = replace(memory, pending=signature, pending_since=now)
-    settled = _remaining(memory, limits, now) <= 0 or (
-        shortcut and _complete(nodes, proposal, limits))
+    settled = _remaining(memory, limits, now) <= 0 or _complete(nodes, proposal, limits)
     return settled, memory
 
 
