@@ -18,7 +18,6 @@ from tests.integration.launcher_scripts.harness import (
 )
 
 pytestmark = [pytest.mark.etcd, pytest.mark.slow]
-pytest.importorskip("membership.rendezvous", reason="membership.rendezvous has not landed yet")
 
 
 @pytest.fixture

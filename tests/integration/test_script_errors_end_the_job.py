@@ -44,8 +44,9 @@ _NO_CREDENTIALS = {
 
 @pytest.fixture(scope="module")
 def moto_endpoint() -> Iterator[str]:
-    moto_server = pytest.importorskip("moto.server")
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0)
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0)
     server.start()
     host, port = server.get_host_and_port()
     try:
