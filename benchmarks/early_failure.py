@@ -7,9 +7,10 @@ used to go round the crash budget for 48 s and end naming no error).
 
 The time from the first failure is one more start-up of the script's interpreter (the second
 attempt: importing torch and elastic, then argparse) plus elastic-run's own share: the crash
-budget's first backoff (1 s), the world it writes for the second attempt, and the run's end. The baseline, measured in the same run, is
-one start-up of the same interpreter with the same imports (``python -c "import torch,
-elastic"``), so the table says how much of the time is elastic-run's.
+budget's first backoff (1 s), the world it writes for the second attempt, and the run's end.
+The baseline, measured in the same run, is one start-up of the same interpreter with the same
+imports (``python -c "import torch, elastic"``), so the table says how much of the time is
+elastic-run's.
 
 Usage::
 
