@@ -135,7 +135,8 @@ class WorldFollower:
             self.events.record("lease_lost", node=self._node(), workers_kept=True)
         if rejoined:
             self._no_world_since = time.monotonic()
-            logger.info("joined the run again as node %s", self._node())
+            logger.info("joined again as node %s (the same id: its workers keep their state)",
+                        self._node())
             self._publish()
 
     def check_join_timeout(self, run: RunMembership) -> AgentOutcome | None:
