@@ -301,7 +301,6 @@ def test_hosts_the_job_trains_every_sample_once_and_ends_with_the_undisturbed_we
 
 def test_a_host_that_returns_rejoins_without_disturbing_the_job(hosts: Run) -> None:
     _print_stall(hosts, "host returns")
-    fault = hosts.faults["host returns"]
     _check_never_stale(hosts, "host returns")
     # Its agent found its lease gone and joined again under the same id, keeping its worker
     # (or, if the worker died of the cut, a new one); either was admitted again and healed
