@@ -15,6 +15,7 @@ from datetime import timedelta
 from typing import Any, Final
 
 from elastic.contract.records import EndRecord, NodeRecord, WorldRecord
+from elastic_errors import EtcdUnavailableError
 from membership.decide import RunLimits
 from membership.etcd import EtcdClient
 from membership.generation import DEFAULT_LINGER_S, end_run
@@ -30,6 +31,8 @@ logger = logging.getLogger(__name__)
 
 #: How often a node checks that its record still holds what it wrote.
 RECORD_CHECK_S: Final = 5.0
+#: How long the read of the world after joining again may take.
+REJOIN_READ_DEADLINE: Final = timedelta(seconds=5)
 
 
 def new_node_id(host: str | None = None) -> str:
@@ -70,6 +73,7 @@ class RunMembership:
         self.limits = limits
         self.linger = linger
         self._on_rejoined = on_rejoined
+        self._world_at_rejoin = 0
         self.node = NodeMembership(client, keys, ttl=ttl, on_lost=on_lease_lost,
                                    on_rejoined=self._rejoined, rejoin_timeout=rejoin_timeout)
         self.view = JobView(client, keys, on_change=on_change)
@@ -93,15 +97,25 @@ class RunMembership:
                 self.leader.poke()
 
     def _rejoined(self) -> None:
+        # The world as etcd holds it now: until the watch shows at least this one, this node
+        # may be looking at a world the others replaced while it was out.
+        try:
+            kv = self.client.get(self.keys.world, deadline=REJOIN_READ_DEADLINE)
+            self._world_at_rejoin = kv.mod_revision if kv is not None else 0
+        except EtcdUnavailableError as exc:
+            logger.warning("could not read the world after joining again (%s)", exc)
         self.leader.poke()
         if self._on_rejoined is not None:
             self._on_rejoined()
 
     def in_sync(self) -> bool:
         """Whether this node is certainly a member now and its view shows the run as of its
-        (re)join: its lease is fresh, and the view has caught up with the put that joined it
-        (a node back from a lost lease must not act on a world older than its return)."""
-        return self.node.fresh() and self.view.revision >= self.node.joined_revision
+        (re)join: its lease is fresh, and, after it joined again, the watched world is at
+        least the one etcd held then (a node back from a lost lease must not act on a world
+        the others replaced while it was out)."""
+        kv = self.view.world_kv()
+        seen = kv.mod_revision if kv is not None else 0
+        return self.node.fresh() and seen >= self._world_at_rejoin
 
     def peer_lease(self, node: str, *, deadline: timedelta | None = None) -> int | None:
         """The lease of another node's record: ``None`` if the record is gone (its lease

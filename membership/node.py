@@ -80,9 +80,6 @@ class NodeMembership:
         #: Times this node took a new lease after losing one.
         self.rejoins = 0
         self._written_at = 0  # the revision of this node's last put of its record
-        #: The revision of this node's first put on its current lease: a view of the run at
-        #: least this new shows what happened while the node was out.
-        self.joined_revision = 0
 
     @property
     def record(self) -> NodeRecord:
@@ -128,7 +125,6 @@ class NodeMembership:
         old, self._lease = self._lease, self._client.lease(self._ttl, on_lost=self._lease_lost)
         if old is not None:
             old.stop()
-        self.joined_revision = 0
 
     def update(self, **changes: Any) -> NodeRecord:
         """Writes the record with ``changes`` (no write if nothing changes); returns it."""
@@ -156,8 +152,6 @@ class NodeMembership:
             revision = self._client.put(self._keys.node(record.node), record.dumps(),
                                         lease=self._lease.id)
         self._written_at = revision
-        if not self.joined_revision:
-            self.joined_revision = revision
         self.writes += 1
 
     def repair(self) -> bool:

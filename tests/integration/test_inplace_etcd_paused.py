@@ -9,8 +9,9 @@ moved on meanwhile, and heal from each other, without reading a checkpoint.
 Two ``elastic-run`` agents in place (``--nnodes 1:2``, TTL 3 s) on an etcd of their own, which
 is SIGSTOPped for 5 s while they train. Checks: etcd really dropped a lease (an agent says
 so); the workers that trained before the pause are the ones that finish (no process was
-restarted); no worker read storage after the pause; every sample is trained exactly once; both
-agents exit 0.
+restarted); no worker read storage after the pause; checkpoints are committed again once the
+nodes are back (their commits are fenced only while their leases are not fresh); every sample
+is trained exactly once; both agents exit 0.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import pytest
 from tests.integration.launcher_scripts.harness import cluster
 from tests.integration.training.inplace_audit import check_exactly_once
 from tests.integration.training.inplace_job import DATASET, GLOBAL_BATCH, SEED, InPlaceJob
+from tests.support.netns_job import commits
 
 pytestmark = [pytest.mark.etcd, pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -88,3 +90,7 @@ def test_etcd_paused_past_the_lease_ttl_keeps_the_workers_and_their_state(
         assert after, "nothing trained after the pause"
         check_exactly_once(audit, steps=STEPS, global_batch=GLOBAL_BATCH, dataset=DATASET,
                            seed=SEED)
+        later = [c for c in commits(tmp_path / "ckpt")
+                 if float(c["created_at"]) > paused_at + PAUSE_S]
+        assert later and max(int(c["step"]) for c in later) >= STEPS - 10, (
+            f"no checkpoint committed after the pause up to the end: {later}")
