@@ -6,15 +6,9 @@ is one frozen dataclass here; :func:`encode` writes it and :func:`decode_worker_
 :func:`decode_agent_message` read it back, field by field, refusing a line that is not one of
 them with :class:`MessageError` (one sentence naming the kind and the field).
 
-From a worker to its agent (:data:`WORKER_MESSAGES`, 14 kinds): ``hello`` first (its slot
-and incarnation), ``heartbeat`` about twice a second, ``ready`` / ``declare`` (it trains, in
-place or not), ``progress`` (a completed step), ``stalled`` / ``waiting`` / ``resumed`` (it
-waits in a step's collective: long enough for the silent-peer check, past the hang
-threshold, no longer), ``build_failed``, ``suspect`` (peers its failed collective names),
-``failure`` (what it dies of), ``drained``, ``finished`` and ``exiting``.
-
-From an agent to its workers (:data:`AGENT_MESSAGES`): ``welcome`` (the answer to ``hello``),
-``world``, ``lease``, ``end``, ``gone`` (local peers that died) and ``evict``.
+Workers send the 14 kinds of :data:`WORKER_MESSAGES` (``hello`` first, then ``heartbeat``
+about twice a second and the rest as things happen); agents send :data:`AGENT_MESSAGES`
+(``welcome`` answers ``hello``). ``docs/agent.md`` says what each is for.
 """
 
 from __future__ import annotations
@@ -154,16 +148,10 @@ class Suspect:
 
 @dataclass(frozen=True, slots=True)
 class Failure:
-    """What the worker is dying of.
-
-    Attributes:
-        error: ``Type: first line of its message``.
-        step: The step it was at.
-        peer: Membership evidence says a peer's failure caused it.
-        peer_type: Whether the error is of a type a peer's failure causes (``None``:
-            unknown).
-        fatal: A verdict on the whole job (:class:`~elastic_errors.JobFatalError`).
-    """
+    """What the worker is dying of: ``error`` (``Type: first line``), the ``step`` it was at,
+    whether membership evidence says a ``peer``'s failure caused it, whether the error is of
+    a type a peer's failure causes (``peer_type``), and whether it is a verdict on the whole
+    job (``fatal``: :class:`~elastic_errors.JobFatalError`)."""
 
     KIND: ClassVar[str] = "failure"
     error: str
@@ -296,28 +284,20 @@ def encode(message: WorkerMessage | AgentMessage) -> bytes:
     return (json.dumps(body, separators=(",", ":")) + "\n").encode()
 
 
-def _int(value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError("an integer")
-    return value
+def _checked(check: Callable[[Any], bool], what: str) -> Callable[[Any], Any]:
+    """A field parser that passes values ``check`` accepts and refuses others as ``what``."""
+    def parse(value: Any) -> Any:
+        if not check(value):
+            raise TypeError(what)
+        return float(value) if what == "a number" else value
+    return parse
 
 
-def _number(value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise TypeError("a number")
-    return float(value)
-
-
-def _bool(value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError("true or false")
-    return value
-
-
-def _str(value: Any) -> str:
-    if not isinstance(value, str):
-        raise TypeError("a string")
-    return value
+_int = _checked(lambda v: isinstance(v, int) and not isinstance(v, bool), "an integer")
+_number = _checked(lambda v: isinstance(v, int | float) and not isinstance(v, bool), "a number")
+_bool = _checked(lambda v: isinstance(v, bool), "true or false")
+_str = _checked(lambda v: isinstance(v, str), "a string")
+_outcome = _checked(lambda v: v in ("finished", "failed"), "'finished' or 'failed'")
 
 
 def _strings(value: Any) -> tuple[str, ...]:
@@ -333,12 +313,6 @@ def _world(value: Any) -> WorldRecord:
         return WorldRecord.from_json(value)
     except RecordError as exc:
         raise TypeError(f"a world record ({exc})") from None
-
-
-def _outcome(value: Any) -> str:
-    if value not in ("finished", "failed"):
-        raise TypeError("'finished' or 'failed'")
-    return str(value)
 
 
 def _optional(parse: Callable[[Any], Any]) -> Callable[[Any], Any]:
