@@ -132,7 +132,7 @@ class WorldFollower:
             self.lease_lost.clear()
             logger.warning("etcd dropped this node from the run (its lease expired): it joins "
                            "again as node %s; its workers keep their state", self._node())
-            self.events.record("lease_lost", node=self._node(), workers_kept=True)
+            self.events.record("lease_lost", node_id=self._node(), workers_kept=True)
         if rejoined:
             self._no_world_since = time.monotonic()
             logger.info("joined again as node %s (the same id: its workers keep their state)",
