@@ -182,7 +182,7 @@ class _Counters:
         self.watches: list[weakref.ref[Any]] = []
 
     def install(self) -> None:
-        from elastic import _etcd_watch
+        from membership import _etcd_watch
         from membership.etcd import EtcdClient
 
         counters = self
