@@ -432,9 +432,14 @@ def workers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
                        lambda pids: stopped not in pids and bool(pids - sigstop.survivors))
         run.facts["stopped_alive"] = proctree.alive(stopped)
 
-        # The replacement hangs live before its step's collective (its threads run on).
+        # The replacement hangs live before its step's collective (its threads run on), once
+        # it completed a step of this world: the first forward of a new world rebuilds DDP's
+        # buckets with a collective that the progress rule does not watch (with the stopped
+        # worker replaced within a second, the hang could land there).
         job.run_ahead(40, STEPS)
         hung = run.agents[1].worker()
+        job.wait_for(lambda a: any(int(d["pid"]) == hung for d in a.done),
+                     "the replacement to complete a step", WAIT)
 
         def hang_it() -> None:
             cluster.hang_worker(hung)
