@@ -444,6 +444,7 @@ def workers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
         def hang_it() -> None:
             cluster.hang_worker(hung)
             cluster.wait_hung(hung, 30.0)
+            run.facts["hung_at"] = time.time()  # the step it was in may complete before
 
         live = run.faults["live hang"] = job.fault("live hang", n1, hang_it, hit=[hung])
         job.wait_moved_on(live, WAIT)
@@ -488,7 +489,8 @@ def test_a_live_hung_worker_is_evicted_by_the_progress_rule_and_applies_no_stale
     assert log_lines(survivor, r"waited .* in the collective of step"), survivor[-3000:]
     assert log_lines(node, r"worker 0\.2 was evicted"), node[-3000:]
     assert not workers.facts["hung_alive"]
-    late = [d for d in workers.audit().done if int(d["pid"]) == hung and float(d["t"]) > fault.t]
+    late = [d for d in workers.audit().done
+            if int(d["pid"]) == hung and float(d["t"]) > workers.facts["hung_at"]]
     assert not late, f"the hung worker completed a step after it hung: {late}"
 
 
