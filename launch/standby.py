@@ -247,8 +247,11 @@ class StandbyPool:
         if self._preload is not None:
             child_env[env.STANDBY_PRELOAD] = ",".join(self._preload)
         try:
+            # Its standard error is piped like a worker's: the slot copies it once the
+            # standby is its worker (launch/slots.py).
             proc = subprocess.Popen([self._python, "-u", "-m", STANDBY_MODULE], env=child_env,
-                                    pass_fds=(theirs.fileno(),), start_new_session=True)
+                                    pass_fds=(theirs.fileno(),), start_new_session=True,
+                                    stderr=subprocess.PIPE)
         except OSError as exc:
             ours.close()
             self._disable(f"a standby could not start ({exc})")
@@ -265,6 +268,8 @@ class StandbyPool:
         if standby is None:
             return
         standby.link.close()
+        if standby.proc.stderr is not None:
+            standby.proc.stderr.close()
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(standby.proc.pid, signal.SIGKILL)
         with contextlib.suppress(ProcessLookupError):

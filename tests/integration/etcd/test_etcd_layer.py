@@ -14,10 +14,10 @@ import pytest
 from torch.distributed import DistStoreError, PrefixStore
 
 from elastic.errors import ConfigError, EtcdUnavailableError
-from elastic.etcd import EtcdClient, EtcdConfig, Lease, keep_alive_period, parse_endpoints
-from elastic.store import EtcdV3Store
 from launch.etcd_server import EmbeddedEtcd, EtcdBinaryNotFoundError, find_etcd_binary
-from launch.silent_peers import lease_unrefreshed
+from membership.etcd import EtcdClient, EtcdConfig, Lease, keep_alive_period, parse_endpoints
+from membership.silent_peers import lease_unrefreshed
+from membership.store import EtcdV3Store
 from tests.support.etcd_required import etcd_binary
 
 pytestmark = pytest.mark.etcd
@@ -170,7 +170,7 @@ def test_a_failed_watch_resumes_once_etcd_answers_and_reports_what_changed(
 def test_a_lease_reads_as_unrefreshed_only_once_a_keep_alive_period_has_passed(
     client: EtcdClient,
 ) -> None:
-    # The silent-peer check's etcd half (launch.silent_peers): a lease refreshed within the
+    # The silent-peer check's etcd half (membership.silent_peers): a lease refreshed within the
     # last keep-alive period is fresh; one left alone for longer is not; a revoked one is gone.
     lease_id = client.grant_lease(3)
     assert client.lease_time_to_live(lease_id)[1] == 3
