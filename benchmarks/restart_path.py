@@ -6,6 +6,8 @@ torchrun script ``examples/train_torchrun.py`` (float64, Adam, DDP over gloo, it
 
 * ``elastic-run``: this tree's launcher, default flags, on one real etcd (plus
   ``--events-dir``, whose records give the agent's side of the parts);
+* ``elastic-run-off``: this tree's launcher with ``--warm-standby off --memory-checkpoints
+  off`` (the restart path without its two caches: "before" with the same code);
 * ``elastic-run-base``: the same from another checkout (``--baseline-tree``), to compare
   code before and after a change in the same run;
 * ``torchrun``: torch's c10d rendezvous hosted by node 0, with
@@ -47,6 +49,10 @@ before, e.g. ``git worktree add --detach /tmp/before <commit>``)::
 
     python benchmarks/restart_path.py --runs 3 --launchers elastic-run,elastic-run-base,torchrun \
         --baseline-tree DIR [--json out.json]
+
+The two caches on and off, with torchrun, in one run (no other checkout needed)::
+
+    python benchmarks/restart_path.py --runs 3 --launchers elastic-run,elastic-run-off,torchrun
 """
 
 from __future__ import annotations
@@ -256,8 +262,10 @@ class Job:
                          "--monitor-interval", "0.1", *common, *worker]
         else:
             assert etcd is not None
+            caches = (["--warm-standby", "off", "--memory-checkpoints", "off"]
+                      if launcher == "elastic-run-off" else [])
             self.argv = [sys.executable, "-m", "launch", "--etcd", etcd, "--job-id", job_id,
-                         "--events-dir", str(self.events_dir), *common, *worker]
+                         "--events-dir", str(self.events_dir), *caches, *common, *worker]
         self.env = env
 
     def start(self, timeout: float) -> None:
@@ -471,7 +479,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--launchers", default="elastic-run,torchrun",
-                        help="comma-separated: elastic-run, elastic-run-base, torchrun")
+                        help="comma-separated: elastic-run, elastic-run-off, elastic-run-base, "
+                        "torchrun")
     parser.add_argument("--baseline-tree", type=Path, default=None,
                         help="a checkout whose launcher runs as elastic-run-base")
     parser.add_argument("--step-time", type=float, default=0.05)
@@ -505,6 +514,8 @@ def main(argv: list[str] | None = None) -> int:
           "stall.")
     if args.baseline_tree is not None and "elastic-run-base" in launchers:
         print(f"elastic-run-base: the launcher of {args.baseline_tree} (before).")
+    if "elastic-run-off" in launchers:
+        print("elastic-run-off: this tree with --warm-standby off --memory-checkpoints off.")
     loads = [f.load for r in runs for f in r.faults.values()]
     if loads:
         print(f"1-minute load average at the faults: {min(loads):g} to {max(loads):g} "

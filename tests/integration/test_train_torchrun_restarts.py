@@ -5,6 +5,9 @@
   restarted workers ran in warm standbys (their processes were started before the fault, and
   the agent logged the start as warm), and the final weights equal an undisturbed one-process
   run's (float64: the script's global batch and sample order do not depend on the world size).
+* Under ``elastic-run --warm-standby off --memory-checkpoints off`` (one node, two workers): no
+  standby is ever started, the workers are told of no memory store, a killed worker's world
+  restarts in fresh processes, and the weights still equal the undisturbed run's.
 * Under ``torchrun``: 2 workers train and checkpoint, then 1 worker resumes from the script's
   own newest checkpoint and finishes with the same weights.
 
@@ -89,7 +92,9 @@ def _assert_same_weights(got: dict[str, torch.Tensor], want: dict[str, torch.Ten
 
 
 class Job:
-    def __init__(self, c: Cluster, root: Path) -> None:
+    def __init__(self, c: Cluster, root: Path, nodes: int = 3,
+                 flags: tuple[str, ...] = ("--nnodes", "2:3", "--nproc-per-node", "1")
+                 ) -> None:
         self.c = c
         self.timing = root / "timing"
         self.events = root / "events"
@@ -97,9 +102,9 @@ class Job:
         args = [str(SCRIPT), "--checkpoint-dir", str(root / "ckpt"), "--steps", str(STEPS),
                 *COMMON, "--step-time", "0.03", "--timing-log", str(self.timing),
                 "--weights-out", str(self.weights)]
-        flags = ["--etcd", c.endpoint, "--job-id", c.job_id, "--nnodes", "2:3",
-                 "--nproc-per-node", "1", "--events-dir", str(self.events)]
-        self.agents = [c.start(flags, args) for _ in range(3)]
+        argv = ["--etcd", c.endpoint, "--job-id", c.job_id, *flags,
+                "--events-dir", str(self.events)]
+        self.agents = [c.start(argv, args) for _ in range(nodes)]
 
     def wait_world(self, world: int, after: float, old: set[int]) -> dict[int, Any]:
         found: dict[int, Any] = {}
@@ -210,6 +215,45 @@ def test_the_restarted_workers_ran_in_standbys_started_before_each_fault(
     assert len(after_worker) == 3 and all(after_worker.values()), after_worker
     after_node = job.first_starts_after(restarted["node_kill"])
     assert len(after_node) == 2 and all(after_node.values()), after_node
+
+
+def _environ(pid: int) -> dict[str, str]:
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        pairs = [item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item]
+    return {k.decode(): v.decode(errors="replace") for k, v in pairs}
+
+
+@pytest.mark.timeout(300)
+def test_with_both_caches_off_a_restart_starts_fresh_workers_and_keeps_the_weights(
+    tmp_path: Path, etcd: Any, reference: dict[str, torch.Tensor],
+) -> None:
+    from checkpointing.memory_tier import MEMORY_STORE_ENV
+    from launch.standby import is_standby
+
+    with cluster(tmp_path, etcd.endpoint, f"cold-{uuid.uuid4().hex[:8]}") as c:
+        job = Job(c, tmp_path, nodes=1, flags=(
+            "--nnodes", "1", "--nproc-per-node", "2", "--warm-standby", "off",
+            "--memory-checkpoints", "off"))
+        (agent,) = job.agents
+        first = job.wait_world(2, 0.0, set())
+        for pid in first:
+            assert MEMORY_STORE_ENV not in _environ(pid), "memory store told to a worker"
+        wait_until(lambda: any((tmp_path / "ckpt").glob("step-*.pt")), EVENT_TIMEOUT,
+                   "a first checkpoint", give_up=c.all_exited)
+        victim = min(first)
+        killed_at = time.time()
+        kill([victim])
+        after = job.wait_world(2, killed_at, set(first))
+        assert not [p for p in tree(agent.pid) if is_standby(p)], "a standby was started"
+        for pid, records in after.items():
+            # A fresh process: started after the fault, not a standby started before it.
+            assert records[0]["process_started"] > killed_at, (pid, records[0])
+        assert job.first_starts_after(killed_at) and not any(
+            job.first_starts_after(killed_at).values())
+        assert agent.wait(240) == 0, c.logs()
+    resumed = [r for recs in after.values() for r in recs if r["event"] == "loaded"]
+    assert resumed and all(r["step"] >= 10 for r in resumed), resumed
+    _assert_same_weights(dict(torch.load(job.weights, weights_only=True)), reference)
 
 
 @pytest.mark.timeout(240)
