@@ -196,7 +196,9 @@ def restart_rows(runs: list[dict[str, Any]], stdout: str = "") -> list[Row]:
 
     Per fault: elastic-run's median stall (restart mode, the plain torchrun script) against
     torchrun's in the same run, the speed-up as ratio, and the goal (a worker kill costs the
-    survivors at most 2 s, a node kill at most 3 s).
+    survivors at most 2 s, a node kill at most 3 s); where the run measured it, the same with
+    ``--warm-standby off --memory-checkpoints off`` (``elastic-run-off``: the restart path
+    without its caches, no goal).
     """
     del stdout
 
@@ -216,6 +218,14 @@ def restart_rows(runs: list[dict[str, Any]], stdout: str = "") -> list[Row]:
                         "script, median", ours, base, "torchrun", speedup=True,
                         goal=f"<= {goal:g} s", met=None if ours is None else ours <= goal,
                         ours_note=ours_note, baseline_note=base_note))
+    if any(r.get("launcher") == "elastic-run-off" for r in runs):
+        for fault in RESTART_GOALS:
+            off, off_note = stalls("elastic-run-off", fault)
+            base, base_note = stalls("torchrun", fault)
+            rows.append(Row("restart", f"{fault} SIGKILL: survivors' stall, restart mode, "
+                            "plain script, warm standby and memory checkpoints off, median",
+                            off, base, "torchrun", speedup=True, ours_note=off_note,
+                            baseline_note=base_note))
     return rows
 
 
@@ -614,7 +624,8 @@ BENCHES: tuple[Bench, ...] = (
           ("--runs", "1", "--hang-timeout", "30"), 3600, 600, recovery_rows),
     Bench("inplace", "inplace_vs_torchrun.py", ("--runs", "5"),
           ("--runs", "1", "--hang-timeout", "30"), 3600, 600, inplace_rows),
-    Bench("restart", "restart_path.py", ("--runs", "3"),
+    Bench("restart", "restart_path.py",
+          ("--runs", "3", "--launchers", "elastic-run,elastic-run-off,torchrun"),
           ("--runs", "1", "--hang-timeout", "60"), 3600, 900, restart_rows),
     Bench("rendezvous", "rendezvous_scale.py", ("--nodes", "8,32,128,256,512,1024"),
           ("--nodes", "4,8", "--processes", "2", "--steady", "3"), 1800, 600,

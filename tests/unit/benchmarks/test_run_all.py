@@ -310,6 +310,12 @@ def test_restart_rows_goals_and_speedup_from_the_scripts_json() -> None:
     slow = run_all.restart_rows([run("elastic-run", 2.5, 3.5)])
     assert [r.met for r in slow] == [False, False] and slow[0].baseline is None
     assert run_all.restart_rows([run("torchrun", 6.0, 12.0)]) == []
+    # The caches turned off: one more row per fault, against the same torchrun, no goal.
+    rows = run_all.restart_rows([*runs, run("elastic-run-off", 8.0, 9.0)])
+    cold = _one(rows, "worker SIGKILL: survivors' stall, restart mode, plain script, warm",
+                "torchrun")
+    assert cold.ours == 8.0 and cold.ratio == pytest.approx(0.75) and cold.goal == ""
+    assert cold.met is None and len(rows) == 4
 
 
 # --------------------------------------------------------------------------------- inplace
