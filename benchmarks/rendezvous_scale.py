@@ -468,6 +468,14 @@ def _ours_process(conn: Any, endpoint: str, prefix: str, job: str, first: int, c
     logging.getLogger("elastic").setLevel(logging.CRITICAL)
     from membership.etcd import EtcdConfig
 
+    if via == "plugin":
+        # torchrun's agent imported torch long before its rendezvous: so do these processes,
+        # before the round's clock starts (else the round would time the import, about 2
+        # CPU-seconds per process, under the import lock of 128 threads).
+        import torch.distributed.elastic.rendezvous  # noqa: F401
+
+        import membership.torch_handler  # noqa: F401
+
     counters = _Counters()
     counters.install()
     _share_world_parses()
@@ -638,7 +646,13 @@ def ours_round(nodes: int, processes: int, endpoint: str, *, workers: int, ttl: 
                               "nodes": round(cpu1[1] - cpu0[1], 2),
                               "keep-alives": round(cpu1[2] - cpu0[2], 2)},
                     "leases_lost": leases_lost,
-                    "rejoins": sum(r[8] for r in replies)})
+                    "rejoins": sum(r[8] for r in replies),
+                    "requests_per_node": {
+                        path.rsplit("/", 1)[-1]: round(n / nodes, 2) for path, n in
+                        sorted(_delta(after, before, "calls").items())},
+                    "watch_streams_per_node": round(sum(
+                        a["streams"] - b["streams"] for a, b in zip(after, before,
+                                                                    strict=True)) / nodes, 2)})
         if len(finished) == nodes:
             epoch = max(r[6] for r in replies)
             try:
@@ -1033,6 +1047,9 @@ def main(argv: list[str] | None = None) -> int:
                               f"{r.detail.get('cpu_s', {})}; leases lost "
                               f"{r.detail.get('leases_lost', 0)}; leases retaken "
                               f"{r.detail.get('rejoins', 0)}", flush=True)
+                        print(f"{'':11s}        etcd requests per node in the round: "
+                              f"{r.detail.get('requests_per_node', {})}; watch streams "
+                              f"{r.detail.get('watch_streams_per_node', 0)}", flush=True)
                         if load is not None and load.window_s >= MIN_STEADY_WINDOW_S:
                             print(f"{'':11s}        keep-alives/s {load.keepalives_per_s:.1f} "
                                   f"(predicted {load.predicted['keepalives_per_s']:.1f})  "

@@ -107,6 +107,11 @@ class AgentLink:
         self.evicted: str | None = None
         #: Job-wide ids of workers known dead (local peers the agent saw exit).
         self.gone: set[str] = set()
+        #: The newest epoch after which the agent reported a later world without the ones
+        #: between (its node was cut off from etcd meanwhile, or two worlds came in one watch
+        #: batch): a worker training in that epoch, or an earlier one, cannot tell whether its
+        #: peers left its world in a world it never saw (``-1``: no gap).
+        self.unseen_after = -1
         #: This node's id and this worker's job-wide id (from the agent's welcome).
         self.node = ""
         self.me = ""
@@ -206,6 +211,8 @@ class AgentLink:
                 self.evicted = message.reason
             if world is not None and (self.world is None
                                       or world.revision >= self.world.revision):
+                if self.world is not None and world.epoch > self.world.epoch + 1:
+                    self.unseen_after = max(self.unseen_after, self.world.epoch)
                 self.world = world
             self._cond.notify_all()
 

@@ -274,7 +274,7 @@ class NodeAgent:
         self._run = RunMembership(
             self.client, opened.keys,
             limits=RunLimits(config.min_nodes, config.max_nodes, config.last_call,
-                             rebuild_after=config.build_timeout),
+                             rebuild_after=config.build_timeout, rejoin_grace=config.ttl),
             ttl=config.ttl, linger=config.linger, on_change=self._push_world,
             on_lease_lost=self._lease_lost, on_rejoined=self._on_rejoined,
             rejoin_timeout=config.join_timeout)
@@ -344,10 +344,12 @@ class NodeAgent:
             return outcome
         if supervisor.start_due(last, run.world()):
             self._publish()
-        if supervisor.all_finished() and not self._said_done:
-            self._said_done = True
-            logger.info("this node's workers finished training; waiting for the rest of the "
-                        "job")
+        if supervisor.all_finished():
+            if not self._said_done:
+                self._said_done = True
+                logger.info("this node's workers finished training; waiting for the rest of "
+                            "the job")
+            return None  # no later world names it: no join timeout while the rest finish
         return follower.check_join_timeout(run)
 
     def _reap(self) -> None:

@@ -76,7 +76,8 @@ class Slot:
     def published(self) -> WorkerSlot:
         """The slot as its node record shows it."""
         pid = self.process.pid if self.process is not None else 0
-        return WorkerSlot(self.local_rank, self.incarnation, self.ready, self.inplace, pid)
+        return WorkerSlot(self.local_rank, self.incarnation, self.ready, self.inplace, pid,
+                          finished=self.finished)
 
     @property
     def local_id(self) -> str:

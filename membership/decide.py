@@ -14,9 +14,13 @@ The rules, in order:
 * the world key holds something that is not a world record: replace it (its epoch is the
   damaged key's revision, larger than any epoch before it);
 * every member reports the same failure at the same step (the script's own bug), or every
-  member is done: end the run (:func:`run_over`);
+  member is done: end the run (:mod:`membership.ending`);
 * workers every other worker waits for (the progress rule) are evicted: left out of every
   later world;
+* workers that finished training (exited 0) are neither ready nor lost: no later world names
+  them (it could never be built), and their absence alone writes nothing (the others finish
+  in their own time). If the rest cannot finish (a rank 0 whose final checkpoint was fenced
+  off), the steps left are trained again by the workers that can still train;
 * a loss (a worker gone, evicted or departing) is written at once: survivors are waiting.
   A loss that leaves fewer than ``min_nodes`` nodes writes the empty world (in place, the
   survivors wait with the state for enough nodes), except in place when the nodes short of
@@ -41,17 +45,18 @@ from dataclasses import dataclass, field, replace
 from typing import Final, TypeAlias
 
 from elastic.contract.records import EndRecord, NodeRecord, WorldRecord
+from membership.ending import run_end
 from membership.proposal import (
     Change,
     classify,
-    common_failure,
     failed_builds,
+    finished_workers,
     laggards,
     next_world,
 )
 
 __all__ = ["Action", "EndRun", "InvalidWorld", "LeaderMemory", "RunLimits", "Wait",
-           "WriteWorld", "decide", "run_over"]
+           "WriteWorld", "decide"]
 
 #: How long the leader sleeps when nothing is pending (a watch event wakes it sooner).
 IDLE_WAKE_S: Final = 1.0
@@ -68,12 +73,15 @@ class RunLimits:
         rebuild_after: Longest wait, after a member reported a failed build of the current
             world, for the other members' builds to end before the world is written again
             (the workers' build timeout: by then every member's build has ended).
+        rejoin_grace: How long every live node must stay done before that alone ends the
+            run (:func:`~membership.ending.run_end`; the node lease TTL).
     """
 
     min_nodes: int
     max_nodes: int
     last_call: float = 1.0
     rebuild_after: float = 10.0
+    rejoin_grace: float = 3.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +105,7 @@ class LeaderMemory:
         departing: Nodes seen announcing a planned departure (a departing node revokes its
             lease as it goes, so its record can vanish before the world its leaving breaks).
         rebuild_since: ``(epoch, when)`` of the first failed build reported for a world.
+        done_since: Since when every live node is done.
     """
 
     pending: tuple[tuple[str, ...], str] | None = None
@@ -107,6 +116,7 @@ class LeaderMemory:
     evicting: tuple[str, ...] = ()
     departing: frozenset[str] = field(default_factory=frozenset)
     rebuild_since: tuple[int, float] | None = None
+    done_since: float | None = None
 
     def wrote(self, world: WorldRecord) -> LeaderMemory:
         """The memory after ``world`` was written (its compare-and-swap won)."""
@@ -157,23 +167,38 @@ def decide(current: WorldRecord | InvalidWorld | None, nodes: Sequence[NodeRecor
     """
     if isinstance(current, InvalidWorld):
         return _replace_invalid(current, nodes, memory, limits)
-    if not memory.ended and (ended := run_over(current, nodes)) is not None:
-        return EndRun(ended), replace(memory, ended=True)
+    if not memory.ended:
+        ended, since = run_end(current, nodes, done_since=memory.done_since,
+                               grace=limits.rejoin_grace, now=now)
+        memory = memory if since == memory.done_since else replace(memory, done_since=since)
+        if ended is not None:
+            return EndRun(ended), replace(memory, ended=True)
+    action, memory = _next_world(current, nodes, memory, limits, now)
+    if isinstance(action, Wait) and memory.done_since is not None:  # decide again in time
+        action = Wait(max(0.0, min(action.seconds,
+                                   limits.rejoin_grace - (now - memory.done_since))))
+    return action, memory
+
+
+def _next_world(current: WorldRecord | None, nodes: Sequence[NodeRecord], memory: LeaderMemory,
+                limits: RunLimits, now: float) -> tuple[Action, LeaderMemory]:
+    """The world to write next, if any (every rule but the run's end)."""
     memory, candidates = _remember(current, nodes, memory)
+    finished = finished_workers(nodes)
     proposal = next_world(current, candidates, min_nodes=limits.min_nodes,
                           max_nodes=limits.max_nodes, used_stores=memory.used_stores)
     if (proposal is None and current is not None and current.members
             and current.mode == "inplace"):
         proposal = _without_restarting(current, candidates, memory, limits)
     if proposal is None and current is not None and current.members:
-        empty = _restart_all(current, candidates, memory.departing)
+        empty = _restart_all(current, candidates, memory.departing, finished)
         if empty.lost:
             # Too few nodes are left to train, but the survivors must still learn now that
             # their world is broken (and which workers caused it): an empty world.
             return _write(empty.with_changes(mode=current.mode), current, nodes, memory)
-    change = classify(current, proposal)
+    change = classify(current, proposal, finished=finished)
     if change is Change.NONE and current is not None and proposal is not None:
-        wait, memory = _rebuild_wait(current, nodes, memory, limits, now)
+        wait, memory = _rebuild_wait(current, nodes, memory, limits, now, finished)
         if wait == 0.0:
             return _write(proposal.with_changes(mode=current.mode, cause="rebuild"), current,
                           nodes, memory)
@@ -195,19 +220,20 @@ def decide(current: WorldRecord | InvalidWorld | None, nodes: Sequence[NodeRecor
         # incarnations once they settle. Writing the real world directly would restart the
         # workers into a world of stale incarnations, one change at a time.
         if change is Change.LOSS:
-            return _write(_restart_all(current, candidates, memory.departing), current, nodes,
-                          memory)
+            return _write(_restart_all(current, candidates, memory.departing, finished),
+                          current, nodes, memory)
         settled, memory = _settled(proposal, candidates, memory, limits, now)
         if settled:
-            return _write(_restart_all(current, candidates, memory.departing), current, nodes,
-                          memory)
+            return _write(_restart_all(current, candidates, memory.departing, finished),
+                          current, nodes, memory)
         return Wait(_remaining(memory, limits, now)), memory
     if change is Change.LOSS:
         assert current is not None
         evicted = tuple(w for w in memory.evicting if w not in proposal.ranks())
         memory = replace(memory, evicting=())
         lost = tuple(w for w in current.ranks() if w not in proposal.ranks()
-                     and w not in proposal.departed and w not in evicted)
+                     and w not in proposal.departed and w not in evicted
+                     and w not in finished)
         return _write(proposal.with_changes(evicted=evicted, lost=lost), current, nodes, memory)
     # After a restart-mode "everyone restart" world, the node records still show the
     # incarnations being restarted as running until their agents publish the new ones;
@@ -239,30 +265,10 @@ def _everyone_restarted(nodes: Sequence[NodeRecord], proposal: WorldRecord,
         for n in live if n.node == m.node)
 
 
-def run_over(current: WorldRecord | None, nodes: Sequence[NodeRecord]) -> EndRecord | None:
-    """The run's end, when the node records show it: the script's own bug, or every member of
-    the world done training (scripts that cannot tell their agent they finished: plain torch
-    scripts)."""
-    failure = common_failure(nodes)
-    if failure is not None:
-        when = f"at step {failure.step}" if failure.step >= 0 else "before its first step"
-        return EndRecord("failed", f"the training script failed on every worker {when}: "
-                         f"{failure.error}", failure.step)
-    if nodes and all(n.done for n in nodes):
-        # Also after a loss left an empty world: whoever is still here is done.
-        return EndRecord("finished", "every worker finished training")
-    if current is None or not current.members:
-        return None
-    by_node = {n.node: n for n in nodes}
-    if all((n := by_node.get(m.node)) is not None and n.done for m in current.members):
-        return EndRecord("finished", "every worker finished training")
-    return None
-
-
 def _remember(current: WorldRecord | None, nodes: Sequence[NodeRecord],
               memory: LeaderMemory) -> tuple[LeaderMemory, list[NodeRecord]]:
     """Updates departures and evictions; returns the memory and the records to propose from
-    (evicted workers marked not ready)."""
+    (evicted and finished workers marked not ready)."""
     departing = set(memory.departing) | {n.node for n in nodes if n.departing is not None}
     evicted, evicting = set(memory.evicted), memory.evicting
     if current is not None:
@@ -277,7 +283,8 @@ def _remember(current: WorldRecord | None, nodes: Sequence[NodeRecord],
     evicted &= {f"{n.node}/{w.local_id}" for n in nodes for w in n.workers}
     memory = replace(memory, departing=frozenset(departing), evicted=frozenset(evicted),
                      evicting=evicting)
-    return memory, (_without_workers(nodes, sorted(evicted)) if evicted else list(nodes))
+    left_out = evicted | finished_workers(nodes)
+    return memory, (_without_workers(nodes, sorted(left_out)) if left_out else list(nodes))
 
 
 def _present(current: WorldRecord, nodes: Sequence[NodeRecord]) -> set[str]:
@@ -324,10 +331,11 @@ def _write(world: WorldRecord, current: WorldRecord | None, nodes: Sequence[Node
 
 
 def _rebuild_wait(current: WorldRecord, nodes: Sequence[NodeRecord], memory: LeaderMemory,
-                  limits: RunLimits, now: float) -> tuple[float | None, LeaderMemory]:
+                  limits: RunLimits, now: float, finished: Set[str]
+                  ) -> tuple[float | None, LeaderMemory]:
     """``None`` if no member failed to build ``current``; else the seconds until it is
     written again (0: now)."""
-    failed, everyone = failed_builds(current, nodes)
+    failed, everyone = failed_builds(current, nodes, finished=finished)
     if not failed:
         return None, replace(memory, rebuild_since=None)
     since = memory.rebuild_since
@@ -383,16 +391,19 @@ def _cause(world: WorldRecord, current: WorldRecord | None,
 
 
 def _restart_all(current: WorldRecord, nodes: Sequence[NodeRecord],
-                 departing: Set[str] = frozenset()) -> WorldRecord:
+                 departing: Set[str] = frozenset(),
+                 finished: Set[str] = frozenset()) -> WorldRecord:
     """The empty world that makes every agent of a restart-mode world restart its workers;
-    ``lost`` names the workers whose loss caused it, ``departed`` those of nodes that
-    announced their departure (``departing``: also those whose record is gone since)."""
+    ``lost`` names the workers whose loss caused it (never one that ``finished``),
+    ``departed`` those of nodes that announced their departure (``departing``: also those
+    whose record is gone since)."""
     ready = {f"{n.node}/{w.local_id}" for n in nodes for w in n.ready_workers()}
     leaving = set(departing) | {n.node for n in nodes if n.departing is not None}
     departed = tuple(w for w in current.ranks() if w.split("/")[0] in leaving)
     return WorldRecord(current.epoch + 1, (), current.store, "restart", departed=departed,
                        lost=tuple(w for w in current.ranks()
-                                  if w not in ready and w not in departed))
+                                  if w not in ready and w not in departed
+                                  and w not in finished))
 
 
 def _without_workers(nodes: Sequence[NodeRecord], evicted: Sequence[str]) -> list[NodeRecord]:
@@ -402,7 +413,7 @@ def _without_workers(nodes: Sequence[NodeRecord], evicted: Sequence[str]) -> lis
     for record in nodes:
         workers = tuple(
             w if f"{record.node}/{w.local_id}" not in gone
-            else type(w)(w.local_rank, w.incarnation, False, w.inplace, w.pid)
+            else replace(w, ready=False)
             for w in record.workers
         )
         updated.append(record.with_changes(workers=workers) if workers != record.workers

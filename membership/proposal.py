@@ -13,7 +13,8 @@ from enum import Enum
 
 from elastic.contract.records import NodeRecord, WorldMember, WorldRecord, worker_id
 
-__all__ = ["Change", "classify", "common_failure", "failed_builds", "laggards", "next_world"]
+__all__ = ["Change", "classify", "common_failure", "failed_builds", "finished_workers",
+           "laggards", "next_world"]
 
 
 def _candidates(nodes: Sequence[NodeRecord], current: WorldRecord | None,
@@ -129,16 +130,22 @@ class Change(str, Enum):
     FIRST = "first"
 
 
-def classify(current: WorldRecord | None, proposal: WorldRecord | None) -> Change:
-    """Classifies ``proposal`` against ``current`` (see :class:`Change`)."""
+def classify(current: WorldRecord | None, proposal: WorldRecord | None, *,
+             finished: Collection[str] = frozenset()) -> Change:
+    """Classifies ``proposal`` against ``current`` (see :class:`Change`).
+
+    Workers of ``current`` that ``finished`` training are neither kept nor lost: a proposal
+    that only leaves them out changes nothing (see :mod:`membership.decide`).
+    """
     if proposal is None:
         # Nobody can train; if the current world lost members, its survivors wait.
         return Change.NONE
     if current is None or not current.members:
         return Change.FIRST
-    if proposal.same_composition(current):
+    kept = tuple(w for w in current.ranks() if w not in finished)
+    if proposal.ranks() == kept:
         return Change.NONE
-    if set(current.ranks()) - set(proposal.ranks()):
+    if set(kept) - set(proposal.ranks()):
         return Change.LOSS
     return Change.GROWTH
 
@@ -212,9 +219,17 @@ def laggards(world: WorldRecord, nodes: Sequence[NodeRecord]) -> tuple[str, ...]
     return behind
 
 
-def failed_builds(world: WorldRecord, nodes: Sequence[NodeRecord]) -> tuple[set[str], bool]:
+def finished_workers(nodes: Sequence[NodeRecord]) -> frozenset[str]:
+    """Job-wide ids of the workers that finished training (exited 0)."""
+    return frozenset(worker_id(n.node, w.local_id) for n in nodes for w in n.workers
+                     if w.finished)
+
+
+def failed_builds(world: WorldRecord, nodes: Sequence[NodeRecord], *,
+                  finished: Collection[str] = frozenset()) -> tuple[set[str], bool]:
     """The member nodes of ``world`` that could not build its process groups, and whether
-    that is every live member node (then nobody is still building it).
+    that is every live member node (then nobody is still building it). A member whose
+    workers of ``world`` all ``finished`` training builds nothing: it does not count.
 
     Only a world with members counts (an empty world has no groups). A restart-mode world
     counts too: its workers were started for it and no agent restarts them while its
@@ -224,7 +239,8 @@ def failed_builds(world: WorldRecord, nodes: Sequence[NodeRecord]) -> tuple[set[
     if not world.members:
         return set(), False
     by_node = {n.node: n for n in nodes}
-    live = [m.node for m in world.members if m.node in by_node]
+    live = [m.node for m in world.members if m.node in by_node
+            and not all(worker_id(m.node, w) in finished for w in m.workers)]
     failed = {node for node in live
               if (epoch := by_node[node].failed_build) is not None and epoch >= world.epoch}
     return failed, bool(failed) and len(failed) == len(live)

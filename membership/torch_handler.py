@@ -79,7 +79,8 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         self._keys = opened.keys
         self._run = RunMembership(
             client, opened.keys, limits=RunLimits(params.min_nodes, params.max_nodes,
-                                                   conf.last_call_timeout),
+                                                   conf.last_call_timeout,
+                                                   rejoin_grace=conf.member_ttl),
             ttl=conf.member_ttl, linger=conf.linger)
         self._node = new_node_id()
         self._incarnation = 0

@@ -105,6 +105,9 @@ class WorkerSlot:
         inplace: The process survives membership changes in place (its script uses
             ``ElasticLoop``); a world whose every worker says so reconfigures in place.
         pid: The process id (informational).
+        finished: The process exited 0: it finished training. Its slot is neither ready
+            (no later world may name it: nobody would build it) nor lost (the others may
+            still be finishing, each in its own time).
     """
 
     local_rank: int
@@ -112,6 +115,7 @@ class WorkerSlot:
     ready: bool = False
     inplace: bool = False
     pid: int = 0
+    finished: bool = False
 
     @property
     def local_id(self) -> str:
@@ -120,7 +124,8 @@ class WorkerSlot:
 
     def to_json(self) -> dict[str, Any]:
         return {"local_rank": self.local_rank, "incarnation": self.incarnation,
-                "ready": self.ready, "inplace": self.inplace, "pid": self.pid}
+                "ready": self.ready, "inplace": self.inplace, "pid": self.pid,
+                "finished": self.finished}
 
     @classmethod
     def from_json(cls, data: Any, key: str) -> WorkerSlot:
@@ -131,7 +136,9 @@ class WorkerSlot:
                    incarnation=_field(data, "incarnation", int, key),
                    ready=_field(data, "ready", bool, key),
                    inplace=_field(data, "inplace", bool, key),
-                   pid=_field(data, "pid", int, key))
+                   pid=_field(data, "pid", int, key),
+                   # Absent from the records of agents older than the field.
+                   finished=bool(_optional(data, "finished", bool, key)))
 
 
 @dataclass(frozen=True, slots=True)

@@ -231,6 +231,15 @@ class InPlaceController:
         return (world is not None and newest is not None and newest.epoch > world.epoch
                 and self.me not in newest.ranks() and self.me not in newest.departed)
 
+    def _missed_worlds(self, world: WorldRecord | None) -> bool:
+        """Whether a newer world than ``world`` came with the worlds between unseen: one of
+        them may have left this worker out (its node cut off from etcd longer than its lease,
+        then back), so its peers may have left ``world`` long ago, and a growth-looking newest
+        world proves nothing. Its world is then stale (a needless abort costs one step)."""
+        newest = self.link.world
+        return (world is not None and newest is not None and newest.epoch > world.epoch
+                and self.link.unseen_after >= world.epoch)
+
     def _on_message(self, message: AgentMessage | None = None) -> None:
         """Aborts the current world (or the one being built) when membership says so."""
         guard = self._guard
@@ -248,6 +257,11 @@ class InPlaceController:
         elif self._left_out(building or training):
             assert newest is not None
             guard.abort(f"this worker is not in world epoch {newest.epoch}")
+        elif self._missed_worlds(building or training):
+            assert newest is not None
+            guard.abort(f"world epoch {newest.epoch} came with the worlds after epoch "
+                        f"{self.link.unseen_after} unseen (this node was cut off): the "
+                        "peers may have left this world")
         elif self.link.evicted is not None or self.link.end is not None:
             guard.abort(self.link.evicted or "the run ended")
 

@@ -227,7 +227,9 @@ class ElasticLoop(MicroBatching, ManagedWay, InPlaceHooks, StepAgreement, LoopRe
                     lambda o, *_args: controller.after_optimizer_step(o))
             self.saves.before_save = controller.before_save
             controller.check_config(self)
-        self.replicas = Replicas(ctx, in_place=controller is not None)
+        self.replicas = Replicas(
+            ctx, in_place=controller is not None, step=lambda: self.step,
+            on_bucket_rebuild=controller.reached_collective if controller is not None else None)
         self._flags: BoundaryFlags | None = None
         self._cadence = AgreementCadence()
         #: Completed optimizer steps; the index of the next step to run.

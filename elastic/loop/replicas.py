@@ -30,11 +30,23 @@ class Replicas:
     Args:
         ctx: The worker's context (``None``: single process, models are returned as they are).
         in_place: Whether worlds change in place (DDP's initial broadcast is then skipped).
+        on_bucket_rebuild: Called right before the forward in which a DDP rebuilds its
+            buckets: the first forward of its second step (the first synced backward
+            recorded the order gradients came in), which broadcasts the new bucket layout
+            from rank 0, a collective of the forward, before any gradient is all-reduced.
+            The in-place controller starts its progress clock there, so that a peer hung
+            right before that forward is found like one hung before the gradient
+            collective (otherwise the survivors wait out the backend's timeout).
+        step: The loop's step counter (read when a DDP is built and at each forward).
     """
 
-    def __init__(self, ctx: ElasticContext | None, *, in_place: bool) -> None:
+    def __init__(self, ctx: ElasticContext | None, *, in_place: bool,
+                 on_bucket_rebuild: Callable[[], None] | None = None,
+                 step: Callable[[], int] | None = None) -> None:
         self._ctx = ctx
         self._in_place = in_place
+        self._on_bucket_rebuild = on_bucket_rebuild
+        self._step = step
         self._cache: dict[int, tuple[int, nn.Module, nn.Module]] = {}
 
     def wrap(self, model: nn.Module, **kwargs: Any) -> nn.Module:
@@ -54,7 +66,23 @@ class Replicas:
         wrapped = DistributedDataParallel(model, process_group=self._ctx.process_group,
                                           **kwargs)
         self._cache[id(model)] = (generation, model, wrapped)
+        if self._on_bucket_rebuild is not None and self._step is not None:
+            self._watch_bucket_rebuild(wrapped, self._on_bucket_rebuild, self._step)
         return wrapped
+
+    @staticmethod
+    def _watch_bucket_rebuild(wrapped: nn.Module, notify: Callable[[], None],
+                              step: Callable[[], int]) -> None:
+        """Calls ``notify`` once, before ``wrapped``'s first forward with gradients in a later
+        step than the one it was built in (where DDP rebuilds its buckets)."""
+        built_at, fired = step(), [False]
+
+        def before_forward(_module: nn.Module, _args: Any) -> None:
+            if not fired[0] and torch.is_grad_enabled() and step() > built_at:
+                fired[0] = True
+                notify()
+
+        wrapped.register_forward_pre_hook(before_forward)
 
     def modules(self) -> list[nn.Module]:
         """The wrapped models (the originals)."""

@@ -47,7 +47,6 @@ cluster is left (no process, namespace, link or file).
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import random
@@ -66,6 +65,7 @@ from typing import Any, Final
 import torch
 
 from tests.chaos.injector import Injected
+from tests.chaos.verify_checkpoint import verify_in_namespace
 from tests.support import hang, proctree
 from tests.support.fault_proxy import FaultProxy
 from tests.support.netns import Host, NetnsCluster
@@ -462,24 +462,9 @@ class NetnsChaosRun:
             time.sleep(0.2)
 
     def _verify_checkpoint(self, url: str) -> dict[str, Any]:
-        argv = [sys.executable, "-m", "tests.chaos.verify_checkpoint", url, "--weights",
-                str(self.root / "weights.pt")]
-        if self.storage is not None:
-            argv += ["--endpoint-url", self.storage.endpoint]
-        env = {**os.environ, **_AWS, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
-            filter(None, [str(Path(__file__).resolve().parents[2]),
-                          os.environ.get("PYTHONPATH")]))}
-        try:
-            done = self.cluster.observer.run(argv, timeout_s=180, check=False, env=env,
-                                             cwd=str(Path(__file__).resolve().parents[2]))
-        except (subprocess.TimeoutExpired, TimeoutError) as exc:
-            return {"error": f"verifying the checkpoint timed out ({exc})"}
-        lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-        if not lines:
-            return {"error": f"the verifier printed nothing (exit {done.returncode}): "
-                             f"{done.stderr[-2000:]}"}
-        parsed: dict[str, Any] = json.loads(lines[-1])
-        return parsed
+        endpoint = self.storage.endpoint if self.storage is not None else None
+        return verify_in_namespace(self.cluster.observer, url, str(self.root / "weights.pt"),
+                                   endpoint=endpoint)
 
     # -- driving -----------------------------------------------------------------------------
 

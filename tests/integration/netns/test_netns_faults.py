@@ -433,9 +433,10 @@ def workers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
         run.facts["stopped_alive"] = proctree.alive(stopped)
 
         # The replacement hangs live before its step's collective (its threads run on), once
-        # it completed a step of this world: the first forward of a new world rebuilds DDP's
-        # buckets with a collective that the progress rule does not watch (with the stopped
-        # worker replaced within a second, the hang could land there).
+        # it completed a step of this world. The hang may land before its second step's first
+        # forward, where DDP rebuilds its buckets with a collective: the survivors' progress
+        # clock starts there too (elastic.loop.replicas), or they would wait out gloo's
+        # timeout (CI once saw that).
         job.run_ahead(40, STEPS)
         hung = run.agents[1].worker()
         job.wait_for(lambda a: any(int(d["pid"]) == hung for d in a.done),

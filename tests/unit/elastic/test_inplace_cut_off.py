@@ -203,3 +203,22 @@ def test_a_rank_zero_in_the_jobs_world_ends_the_job_when_it_finishes() -> None:
     finally:
         link.close()
         agent.server.close()
+
+
+def test_a_newer_world_after_unseen_ones_aborts_the_world_it_follows(
+    controller: tuple[_Agent, InPlaceController],
+) -> None:
+    # A node cut off from etcd longer than its lease, then back: the others trained in a
+    # world without it (epoch 2, never seen here) and then took it back (epoch 3). Epoch 3
+    # names the same members as epoch 1, but its peers left epoch 1's groups long ago.
+    agent, ctl = controller
+    ctl.world = _world(1, ("n0", "0.1"), ("n1", "0.1"))
+    _tell(agent, ctl, ctl.world)
+    ctl._guard = guard = WorldAbort(name="epoch 1")
+    _tell(agent, ctl, _world(3, ("n1", "0.1"), ("n0", "0.1")))
+    assert guard.aborted and "after epoch 1 unseen" in guard.reason
+    # In the world it then builds, the next world in sequence is an ordinary change.
+    ctl.world = _world(3, ("n1", "0.1"), ("n0", "0.1"))
+    ctl._guard = guard = WorldAbort(name="epoch 3")
+    _tell(agent, ctl, _world(4, ("n1", "0.1"), ("n0", "0.1"), ("n2", "0.1")))  # growth
+    assert not guard.aborted

@@ -27,12 +27,19 @@ LIMITS = RunLimits(min_nodes=2, max_nodes=3, last_call=1.0, rebuild_after=10.0)
 
 
 def node(name: str, *, incarnation: int = 1, ready: bool = True, inplace: bool = True,
-         rev: int | None = None, pid: int = 100, **extra: Any) -> NodeRecord:
+         rev: int | None = None, pid: int = 100, finished: bool = False,
+         **extra: Any) -> NodeRecord:
     index = ord(name) - ord("a") + 1
     return NodeRecord(node=name, host=name, addr=f"10.0.0.{index}", agent_pid=index,
                       store_port=4000 + index, probe_port=5000 + index,
-                      workers=(WorkerSlot(0, incarnation, ready, inplace, pid),),
+                      workers=(WorkerSlot(0, incarnation, ready, inplace, pid,
+                                          finished=finished),),
                       create_revision=rev if rev is not None else index, **extra)
+
+
+def finished(name: str, **extra: Any) -> NodeRecord:
+    """A node whose worker exited 0 (its agent publishes the slot as it was, finished)."""
+    return node(name, pid=0, finished=True, done=True, **extra)
 
 
 def world(epoch: int, *members: str, mode: str = "inplace", incarnations: dict[str, int]
@@ -185,6 +192,38 @@ CASES = [
     Case("the end is decided once", world(4, "a", "b"),
          [node("a", done=True), node("b", done=True)], "wait",
          memory=LeaderMemory(ended=True), detail=1.0),
+    # -- workers that finished: neither ready nor lost --------------------------------------
+    Case("in place: a worker that finished is not lost: its absence alone writes nothing",
+         world(4, "a", "b"), [node("a"), finished("b")], "wait", detail=1.0),
+    Case("restart: nodes finish seconds apart: no 'everyone restart' world meanwhile",
+         world(4, "a", "b", mode="restart"), [node("a", inplace=False), finished("b")],
+         "wait", detail=1.0, limits=RunLimits(2, 2)),
+    Case("in place: rank 0 refused to end (its final checkpoint fenced off) and the other "
+         "finished: only rank 0 is lost, and nobody is left to train: the empty world",
+         world(5, "a", "b"), [node("a", incarnation=2, ready=False), finished("b")],
+         "write", ranks=(), limits=RunLimits(1, 2),
+         written={"epoch": 6, "mode": "inplace", "lost": ("a/0.1",)}),
+    Case("in place: ... then the steps left are redone by the new incarnation, alone",
+         world(6, mode="inplace", lost=("a/0.1",)), [node("a", incarnation=2), finished("b")],
+         "write", ranks=("a/0.2",), limits=RunLimits(1, 2), now=1.5,
+         memory=LeaderMemory(pending=(("a/0.2",), "inplace"), pending_since=0.5),
+         written={"epoch": 7, "mode": "inplace"}),
+    Case("in place: a crash beside a finished worker: the world of those who can train",
+         world(5, "a", "b", "c"), [node("a"), finished("b"), node("c", incarnation=2,
+                                                                   ready=False)],
+         "write", ranks=("a/0.1",), limits=RunLimits(1, 3),
+         written={"epoch": 6, "lost": ("c/0.1",), "cause": "worker_failed"}),
+    Case("in place: a world naming a finished worker (an older leader's) is rebuilt without "
+         "it once every member that can build it failed to",
+         world(7, "a", "b", "c"), [node("a", failed_build=7), finished("b"),
+                                   node("c", failed_build=7)],
+         "write", ranks=("a/0.1", "c/0.1"), limits=RunLimits(1, 3),
+         written={"epoch": 8, "cause": "rebuild"}),
+    Case("in place: a joiner beside a finished worker: the growth leaves the finished one out",
+         world(4, "a", "b"), [node("a"), finished("b"), node("c")], "write",
+         ranks=("a/0.1", "c/0.1"), limits=RunLimits(1, 3), now=2.0,
+         memory=LeaderMemory(pending=(("a/0.1", "c/0.1"), "inplace"), pending_since=0.5),
+         written={"epoch": 5, "lost": (), "cause": "node_joined"}),
     # -- a damaged world key ---------------------------------------------------------------
     Case("a world key that holds no world record is replaced, epoch = its revision",
          InvalidWorld(revision=77), [node("a"), node("b")], "write",
@@ -246,3 +285,23 @@ def test_a_store_is_never_named_by_two_worlds() -> None:
     assert isinstance(action, WriteWorld)
     assert action.world.store != current.store and current.store[0] == "10.0.0.1"
     assert memory.wrote(action.world).used_stores == {current.store, action.world.store}
+
+
+def test_every_live_node_done_ends_the_run_only_once_no_missing_node_came_back() -> None:
+    # A rank 0 refused to end (its final checkpoint fenced off by an etcd stall, which also
+    # expired its node's lease): the empty world lost it, and its node is joining again.
+    limits = replace(LIMITS, min_nodes=1, rejoin_grace=3.0)
+    current = world(6, mode="inplace", lost=("a/0.1",))
+    alone = [finished("b")]
+    action, memory = decide(current, alone, LeaderMemory(), limits, now=10.0)
+    assert isinstance(action, Wait) and action.seconds <= 3.0 and memory.done_since == 10.0
+    # Its node is back, its new worker starting: the run goes on.
+    back = [node("a", incarnation=2, ready=False), finished("b")]
+    action, memory = decide(current, back, memory, limits, now=11.0)
+    assert not isinstance(action, EndRun) and memory.done_since is None
+    # A node that does not come back within the grace is gone: whoever is here is done.
+    action, memory = decide(current, alone, memory, limits, now=12.0)
+    assert isinstance(action, Wait) and memory.done_since == 12.0
+    action, memory = decide(current, alone, memory, limits, now=15.0)
+    assert isinstance(action, EndRun) and memory.ended
+    assert action.record.reason == "every worker finished training"
