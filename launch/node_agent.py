@@ -95,6 +95,7 @@ class NodeAgent:
         self.client = client
         self.events = events
         self._wake = threading.Event()
+        self._publish_due = threading.Event()  # a worker's message changed the node record
         self._rejoined = threading.Event()
         self._run: RunMembership | None = None
         self._node = new_node_id()
@@ -197,7 +198,11 @@ class NodeAgent:
                 return
             publish = handler(connection, slot, message)
         if publish:
-            self._publish()
+            # The main loop writes it: a put may wait out the etcd deadline (a node cut off),
+            # and this thread must go on reading the worker's heartbeats meanwhile (a healthy
+            # worker was replaced as silent while its channel thread waited on etcd).
+            self._publish_due.set()
+            self._wake.set()
 
     def _on_hello(self, connection: WorkerConnection, slot: Slot, _: Hello) -> bool:
         slot.connected = True
@@ -318,6 +323,9 @@ class NodeAgent:
         rejoined = self._rejoined.is_set()
         self._rejoined.clear()
         follower.check_lease(run, rejoined)
+        if self._publish_due.is_set():
+            self._publish_due.clear()
+            self._publish()
         outcome = self._departures.stop_if_signalled()
         if outcome is not None:
             return outcome

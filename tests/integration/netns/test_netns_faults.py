@@ -192,6 +192,15 @@ def _check_outcome(run: Run, undisturbed: dict[str, torch.Tensor], survivors: in
     assert worst < 1e-9, f"final weights differ from the undisturbed run's by {worst}"
 
 
+def _worker_named(agent: Launcher, pid: int) -> str:
+    """The agent's name for its worker ``pid`` (``local_rank.incarnation``, as a regex): the
+    incarnation depends on how the job started (a node joining after the first world was
+    written restarts the first workers in restart mode)."""
+    found = re.search(rf"started worker (\d+\.\d+) \(pid {pid}\)", agent.output())
+    assert found is not None, f"no worker with pid {pid}: {agent.output()[-3000:]}"
+    return re.escape(found[1])
+
+
 def _aborted_on_membership(agent: Launcher) -> list[str]:
     return log_lines(agent.output(), r"aborted \(member\(s\) .* are gone\)")
 
@@ -475,7 +484,9 @@ def test_a_stopped_worker_goes_at_its_heartbeat_ttl_and_is_replaced(workers: Run
     _print_stall(workers, "worker SIGSTOP")
     _check_never_stale(workers, "worker SIGSTOP")
     assert not workers.facts["stopped_alive"]
-    assert log_lines(workers.agents[1].output(), r"worker 0\.1 sent no heartbeat")
+    (stopped,) = workers.faults["worker SIGSTOP"].hit
+    name = _worker_named(workers.agents[1], stopped)
+    assert log_lines(workers.agents[1].output(), rf"worker {name} sent no heartbeat")
     assert _aborted_on_membership(workers.agents[0])
 
 
@@ -488,7 +499,8 @@ def test_a_live_hung_worker_is_evicted_by_the_progress_rule_and_applies_no_stale
     (hung,) = fault.hit
     survivor, node = workers.agents[0].output(), workers.agents[1].output()
     assert log_lines(survivor, r"waited .* in the collective of step"), survivor[-3000:]
-    assert log_lines(node, r"worker 0\.2 was evicted"), node[-3000:]
+    name = _worker_named(workers.agents[1], hung)
+    assert log_lines(node, rf"worker {name} was evicted"), node[-3000:]
     assert not workers.facts["hung_alive"]
     late = [d for d in workers.audit().done
             if int(d["pid"]) == hung and float(d["t"]) > workers.facts["hung_at"]]
