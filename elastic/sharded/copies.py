@@ -1,0 +1,363 @@
+"""Redundancy for sharded state without replicas: each rank's shard also lives in a peer's
+host memory, refreshed asynchronously.
+
+Every so often (:meth:`ShardCopies.due`), at the same step boundary on every rank, each rank
+
+1. copies its own shard (parameters and optimizer moments) and the small replicated state
+   (loop step, data cursor, RNG, optimizer step counts, scheduler) into host buffers kept
+   between refreshes: its **own snapshot**, the point it can roll back to; then
+2. on background threads, sends that snapshot to its *holder* (a rank on another node,
+   :func:`~elastic.sharded.plan.copy_holders`) and receives its *owner*'s snapshot into the
+   **copy** it keeps.
+
+When a rank is lost, its shard at the snapshot's step survives in its holder's copy, and
+every survivor rolls back to that step from its own snapshot (a survivor whose live state
+is at that step keeps it): at most the steps since the snapshot are lost, and the data
+cursor rolls back with the weights, so every sample is still trained exactly once.
+
+**Memory:** two shard-sized host buffers per rank, its own snapshot and its owner's copy
+(about ``2 x`` the rank's share of parameters and optimizer state), plus the small state.
+The own snapshot is what the asynchronous send reads from, and it is what lets a survivor
+roll back when its own copy's holder died with the lost rank.
+
+**The refresh window:** the copy a holder keeps is overwritten in place, so while an owner's
+snapshot is in flight the holder has no complete copy of it. If the owner dies during its
+own send, its shard is lost for that refresh and the job reads storage (correct, only
+slower). The window is the send's duration, once per refresh (logged).
+
+**Cadence:** ``every=K`` refreshes after every ``K``-th step. The default (``None``) chooses
+it from measurement: a rank asks for a refresh once the time since the last one is at least
+100 times what the last one cost (its blocking copy plus its background transfer), so the
+refreshes take at most 1 % of the training time, whatever the model and the machine; the
+ranks agree on it at a step boundary (:mod:`~elastic.loop.agreement`).
+"""
+
+from __future__ import annotations
+
+import copy as copy_module
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, Final
+
+import torch
+import torch.distributed as dist
+
+from elastic.inplace.heal import GlooLink, receive_state, send_state
+from elastic_errors import ConfigError
+
+__all__ = ["DEFAULT_BUDGET", "ShardCopies", "Snapshot", "available_host_memory",
+           "clone_tree"]
+
+logger = logging.getLogger(__name__)
+
+#: The share of training time refreshes may take when their cadence is automatic.
+DEFAULT_BUDGET: Final = 0.01
+#: Host memory left free when checking that the copies fit.
+_HEADROOM: Final = 0.9
+
+
+@dataclass(slots=True)
+class Snapshot:
+    """One shard of the state at one step, in host memory.
+
+    Attributes:
+        step: Completed steps of the state.
+        shards: Shards of the world it was cut in.
+        index: Which shard.
+        tensors: The shard's sharded tensors by name (``"p:<fqn>"``, ``"o:<fqn>:<key>"``).
+        small: The replicated state at that step.
+    """
+
+    step: int
+    shards: int
+    index: int
+    tensors: dict[str, torch.Tensor]
+    small: dict[str, Any]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of its sharded tensors."""
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+
+def clone_tree(value: Any) -> Any:
+    """A deep copy of a state tree whose tensors are cloned (on their own device)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, Mapping):
+        return {k: clone_tree(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [clone_tree(v) for v in value]
+    if isinstance(value, tuple):
+        return tuple(clone_tree(v) for v in value)
+    return copy_module.deepcopy(value)
+
+
+def available_host_memory() -> int:
+    """Bytes of host memory available for new allocations (``MemAvailable``)."""
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+class _Lane:
+    """A daemon thread running submitted calls in order (a queue with a sentinel)."""
+
+    def __init__(self, name: str) -> None:
+        self._jobs: queue.Queue[tuple[Callable[[], Any], Future[Any]] | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, call: Callable[[], Any]) -> Future[Any]:
+        future: Future[Any] = Future()
+        self._jobs.put((call, future))
+        return future
+
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            call, future = job
+            # The call (and what it refers to: a process group) is dropped before the owner
+            # is told: a process group released by this thread while the interpreter exits
+            # aborts the process (pybind11 releases the GIL to destroy it).
+            del job
+            try:
+                result = call()
+            except BaseException as exc:  # reported through the future, never fatal here
+                del call
+                future.set_exception(exc)
+                continue
+            del call
+            future.set_result(result)
+
+    def close(self) -> None:
+        self._jobs.put(None)
+        self._thread.join(timeout=5.0)
+
+
+class ShardCopies:
+    """This rank's own snapshot and the copy of its owner's shard (see the module doc).
+
+    Args:
+        every: Refresh after every this many steps (``None``: automatic, see the module doc).
+        budget: The share of training time automatic refreshes may take.
+        chunk_bytes: Largest message of a transfer.
+
+    Raises:
+        ConfigError: On invalid values.
+    """
+
+    def __init__(self, *, every: int | None = None, budget: float = DEFAULT_BUDGET,
+                 chunk_bytes: int = 32 << 20) -> None:
+        if every is not None and every < 1:
+            raise ConfigError(f"snapshot_every ({every}) must be at least 1, or None to "
+                              "choose it from measurement.")
+        if not 0 < budget < 1:
+            raise ConfigError(f"the refresh budget ({budget}) must be between 0 and 1.")
+        self.every = every
+        self.budget = budget
+        self.chunk_bytes = chunk_bytes
+        self.own: Snapshot | None = None
+        self.copy: Snapshot | None = None
+        self._incoming: dict[str, Any] = {}
+        self._group: dist.ProcessGroup | None = None
+        self._holder = self._owner = -1
+        self._layout = (1, 0)
+        self._local_workers = 1
+        self._strict = True  # the first world refuses copies that do not fit; later ones skip
+        self._skipped = False
+        self._lanes: tuple[_Lane, _Lane] | None = None
+        self._pending: list[Future[Any]] = []
+        self._lock = threading.Lock()
+        self._last_take = -float("inf")
+        #: Seconds the last refresh blocked training (its copy into host memory).
+        self.blocking_s = 0.0
+        #: Seconds the last refresh's background transfer took (the refresh window).
+        self.exchange_s = 0.0
+        #: Refreshes taken in this process.
+        self.refreshes = 0
+
+    @property
+    def enabled(self) -> bool:
+        """Whether this world refreshes copies (it has a holder and they fit)."""
+        return self._group is not None and self._holder >= 0 and not self._skipped
+
+    def configure(self, group: dist.ProcessGroup | None, *, holder: int, owner: int,
+                  shards: int, index: int, local_workers: int) -> None:
+        """Enters a new world: whom this rank's snapshots go to and whose it keeps.
+
+        Snapshots and copies of older worlds stay valid holdings until refreshed.
+
+        Args:
+            group: A gloo group of the world for the transfers (``None``: no copies).
+            holder: The rank that keeps this rank's copy (``-1``: none).
+            owner: The rank whose copy this rank keeps (``-1``: none).
+            shards: Shards of this world.
+            index: This rank's shard.
+            local_workers: Workers on this node (they share its host memory).
+        """
+        self.settle()
+        if self._group is not None:
+            self._strict = False
+        self._group, self._holder, self._owner = group, holder, owner
+        self._layout = (shards, index)
+        self._local_workers = max(1, local_workers)
+        self._skipped = False
+
+    def due(self, step: int) -> bool:
+        """Whether this rank wants a refresh after ``step`` completed steps."""
+        if not self.enabled:
+            return False
+        if self.every is not None:
+            return step % self.every == 0
+        own = self.own
+        if own is None or (own.shards, own.index) != self._layout:
+            return True
+        cost = self.blocking_s + self.exchange_s
+        return time.monotonic() - self._last_take >= cost / self.budget
+
+    def take(self, step: int, tensors: Mapping[str, torch.Tensor],
+             small: Mapping[str, Any]) -> None:
+        """Refreshes: the own snapshot now, the transfers in the background.
+
+        Args:
+            step: Completed steps of the state.
+            tensors: This rank's live shards by name.
+            small: The replicated state (copied here).
+
+        Raises:
+            ConfigError: If the copies do not fit in host memory in the job's first world
+                (later worlds log it and go without copies).
+        """
+        if not self.enabled:
+            return
+        started = time.monotonic()
+        self.settle()
+        if not self._fits(tensors):
+            return
+        own = self._stage(step, tensors, clone_tree(small))
+        self.own = own
+        self.blocking_s = time.monotonic() - started
+        self._last_take = started
+        self.refreshes += 1
+        self._exchange(own)
+
+    def _fits(self, tensors: Mapping[str, torch.Tensor]) -> bool:
+        if self.own is not None and self.own.tensors.keys() == tensors.keys():
+            return True  # the buffers exist already
+        needed = 2 * sum(t.numel() * t.element_size() for t in tensors.values())
+        available = available_host_memory()
+        if needed * self._local_workers <= _HEADROOM * available:
+            return True
+        message = (
+            f"redundancy=1 keeps 2 shard-sized copies per worker in host memory "
+            f"({needed / 2**30:.2f} GiB for each of this node's {self._local_workers} "
+            f"workers) but only {available / 2**30:.2f} GiB is available; pass redundancy=0 "
+            "(storage only) or give the node more host memory."
+        )
+        if self._strict:
+            raise ConfigError(message)
+        logger.warning("no shard copies in this world: %s", message)
+        self._skipped = True
+        return False
+
+    def _stage(self, step: int, tensors: Mapping[str, torch.Tensor],
+               small: dict[str, Any]) -> Snapshot:
+        old = self.own.tensors if self.own is not None else {}
+        buffers: dict[str, torch.Tensor] = {}
+        devices: set[torch.device] = set()
+        for name, tensor in tensors.items():
+            buf = old.get(name)
+            if buf is None or buf.shape != tensor.shape or buf.dtype != tensor.dtype:
+                buf = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu",
+                                  pin_memory=tensor.device.type == "cuda")
+            asynchronous = tensor.device.type == "cuda"
+            buf.copy_(tensor.detach(), non_blocking=asynchronous)
+            if asynchronous:
+                devices.add(tensor.device)
+            buffers[name] = buf
+        for device in devices:
+            torch.cuda.current_stream(device).synchronize()
+        shards, index = self._layout
+        return Snapshot(step=step, shards=shards, index=index, tensors=buffers, small=small)
+
+    def _exchange(self, own: Snapshot) -> None:
+        group = self._group
+        assert group is not None
+        if self._lanes is None:
+            self._lanes = (_Lane("shard-copy-send"), _Lane("shard-copy-receive"))
+        sender, receiver = self._lanes
+        link = GlooLink(group)
+        holder, owner, chunk = self._holder, self._owner, self.chunk_bytes
+        payload = {"snapshot": {"step": own.step, "shards": own.shards, "index": own.index,
+                                "tensors": own.tensors, "small": own.small}}
+        began = time.monotonic()
+
+        def send() -> float:
+            send_state(link, [holder], payload, chunk_bytes=chunk)
+            return time.monotonic() - began
+
+        def receive() -> float:
+            target = {"snapshot": self._incoming}
+            receive_state(link, owner, target, device=torch.device("cpu"),
+                          chunk_bytes=chunk, mark_torn=False)
+            got = self._incoming
+            with self._lock:
+                self.copy = Snapshot(step=int(got["step"]), shards=int(got["shards"]),
+                                     index=int(got["index"]), tensors=dict(got["tensors"]),
+                                     small=got["small"])
+            return time.monotonic() - began
+
+        self._pending = [sender.submit(send)]
+        if owner >= 0:
+            with self._lock:
+                self.copy = None  # overwritten in place from now on
+            self._pending.append(receiver.submit(receive))
+
+    def settle(self) -> None:
+        """Waits for the transfers in flight (they fail promptly once the world is
+        aborted); a failed one leaves no copy."""
+        pending, self._pending = self._pending, []
+        durations = []
+        for future in pending:
+            error = future.exception()
+            if error is not None:
+                logger.warning("a shard copy transfer failed (%s); the copy is dropped",
+                               str(error).splitlines()[0][:200] if str(error) else
+                               type(error).__name__)
+                continue
+            durations.append(float(future.result()))
+        if durations:
+            self.exchange_s = max(durations)
+
+    def discard_after(self, step: int) -> None:
+        """Drops snapshots of steps after ``step`` (the state went back to ``step``: they
+        belong to a history that will not happen again)."""
+        with self._lock:
+            if self.own is not None and self.own.step > step:
+                self.own = None
+            if self.copy is not None and self.copy.step > step:
+                self.copy = None
+
+    def holdings(self) -> tuple[Snapshot | None, Snapshot | None]:
+        """The own snapshot and the copy (``None`` where there is none, or it is torn)."""
+        with self._lock:
+            return self.own, self.copy
+
+    def close(self) -> None:
+        """Waits for the transfers in flight and stops the background threads."""
+        self.settle()
+        if self._lanes is not None:
+            for lane in self._lanes:
+                lane.close()
+            self._lanes = None
