@@ -87,6 +87,7 @@ class ManagedWay:
         module = self._sharded.require().module
         if self._inplace is None:
             return module(*args, **kwargs)
+        self._inplace.reached_collective()  # FSDP gathers parameters in every forward
         try:
             return module(*args, **kwargs)
         except Exception as exc:
@@ -135,7 +136,7 @@ class ManagedWay:
         After a step's last micro-batch the loop clips (``max_grad_norm``), steps the
         optimizer and scheduler, and closes the step (cursor, saves, drain agreement).
         """
-        if self._data is None or self.optimizer is None:
+        if self._data is None or (self.optimizer is None and self._sharded is None):
             raise ConfigError("loop.batches() needs the managed loop; pass model=, optimizer= "
                               "and data= to ElasticLoop.")
         entered = not self._restored

@@ -15,15 +15,16 @@ every survivor rolls back to that step from its own snapshot (a survivor whose l
 is at that step keeps it): at most the steps since the snapshot are lost, and the data
 cursor rolls back with the weights, so every sample is still trained exactly once.
 
-**Memory:** two shard-sized host buffers per rank, its own snapshot and its owner's copy
-(about ``2 x`` the rank's share of parameters and optimizer state), plus the small state.
-The own snapshot is what the asynchronous send reads from, and it is what lets a survivor
-roll back when its own copy's holder died with the lost rank.
+**Two versions of each.** A refresh overwrites the *older* of the two own snapshots and
+the older of the two copies, and starts only once the previous refresh's transfers are
+complete on this rank (sent and received). So while a refresh is in flight the previous one
+is whole everywhere: a rank lost in the middle of its send, or a whole node lost in the
+middle of a refresh, rolls the job back to the previous refresh instead of to storage.
 
-**The refresh window:** the copy a holder keeps is overwritten in place, so while an owner's
-snapshot is in flight the holder has no complete copy of it. If the owner dies during its
-own send, its shard is lost for that refresh and the job reads storage (correct, only
-slower). The window is the send's duration, once per refresh (logged).
+**Memory:** four shard-sized host buffers per rank (two own snapshots, two copies of the
+owner's shard: about ``4 x`` the rank's share of parameters and optimizer state), plus the
+small state. :class:`ShardCopies` refuses to start (in the job's first world; later worlds go
+without copies) when the node's available host memory cannot hold them for all its workers.
 
 **Cadence:** ``every=K`` refreshes after every ``K``-th step. The default (``None``) chooses
 it from measurement: a rank asks for a refresh once the time since the last one is at least
@@ -51,7 +52,7 @@ import torch.distributed as dist
 from elastic.inplace.heal import GlooLink, receive_state, send_state
 from elastic_errors import ConfigError
 
-__all__ = ["DEFAULT_BUDGET", "ShardCopies", "Snapshot", "available_host_memory",
+__all__ = ["DEFAULT_BUDGET", "VERSIONS", "ShardCopies", "Snapshot", "available_host_memory",
            "clone_tree"]
 
 logger = logging.getLogger(__name__)
@@ -60,6 +61,9 @@ logger = logging.getLogger(__name__)
 DEFAULT_BUDGET: Final = 0.01
 #: Host memory left free when checking that the copies fit.
 _HEADROOM: Final = 0.9
+#: Versions of the own snapshot and of the copy kept: a refresh overwrites the older, so the
+#: newer stays whole while the refresh is in flight.
+VERSIONS: Final = 2
 
 
 @dataclass(slots=True)
@@ -146,7 +150,7 @@ class _Lane:
 
 
 class ShardCopies:
-    """This rank's own snapshot and the copy of its owner's shard (see the module doc).
+    """This rank's own snapshots and the copies of its owner's shard (see the module doc).
 
     Args:
         every: Refresh after every this many steps (``None``: automatic, see the module doc).
@@ -167,15 +171,17 @@ class ShardCopies:
         self.every = every
         self.budget = budget
         self.chunk_bytes = chunk_bytes
-        self.own: Snapshot | None = None
-        self.copy: Snapshot | None = None
-        self._incoming: dict[str, Any] = {}
+        #: The own snapshots, oldest first (at most :data:`VERSIONS`).
+        self.own: list[Snapshot] = []
+        #: The copies of the owner's shard, oldest first (at most :data:`VERSIONS`).
+        self.copies: list[Snapshot] = []
         self._group: dist.ProcessGroup | None = None
         self._holder = self._owner = -1
         self._layout = (1, 0)
         self._local_workers = 1
         self._strict = True  # the first world refuses copies that do not fit; later ones skip
         self._skipped = False
+        self._announced = False
         self._lanes: tuple[_Lane, _Lane] | None = None
         self._pending: list[Future[Any]] = []
         self._lock = threading.Lock()
@@ -213,6 +219,7 @@ class ShardCopies:
         self._layout = (shards, index)
         self._local_workers = max(1, local_workers)
         self._skipped = False
+        self._announced = False
 
     def due(self, step: int) -> bool:
         """Whether this rank wants a refresh after ``step`` completed steps."""
@@ -220,15 +227,15 @@ class ShardCopies:
             return False
         if self.every is not None:
             return step % self.every == 0
-        own = self.own
-        if own is None or (own.shards, own.index) != self._layout:
+        if not self.own or (self.own[-1].shards, self.own[-1].index) != self._layout:
             return True
         cost = self.blocking_s + self.exchange_s
         return time.monotonic() - self._last_take >= cost / self.budget
 
     def take(self, step: int, tensors: Mapping[str, torch.Tensor],
              small: Mapping[str, Any]) -> None:
-        """Refreshes: the own snapshot now, the transfers in the background.
+        """Refreshes: the own snapshot now (over the older of the two kept), the transfers in
+        the background.
 
         Args:
             step: Completed steps of the state.
@@ -242,25 +249,39 @@ class ShardCopies:
         if not self.enabled:
             return
         started = time.monotonic()
+        # The previous refresh's transfers, on both ends of both pairs, are complete before
+        # anything of it is overwritten: the versions kept are always whole.
         self.settle()
         if not self._fits(tensors):
             return
-        own = self._stage(step, tensors, clone_tree(small))
-        self.own = own
+        with self._lock:
+            reuse = self.own.pop(0) if len(self.own) >= VERSIONS else None
+        own = self._stage(step, tensors, clone_tree(small), reuse)
+        with self._lock:
+            self.own.append(own)
         self.blocking_s = time.monotonic() - started
         self._last_take = started
         self.refreshes += 1
         self._exchange(own)
+        if not self._announced:
+            self._announced = True
+            logger.info("shard copies: snapshot of step %d (%d bytes, %.1f ms) goes to rank %d; "
+                        "this rank keeps rank %d's (cadence: %s)", step, own.nbytes,
+                        self.blocking_s * 1e3, self._holder, self._owner,
+                        f"every {self.every} steps" if self.every else
+                        f"{self.budget:.0%} of training time")
 
     def _fits(self, tensors: Mapping[str, torch.Tensor]) -> bool:
-        if self.own is not None and self.own.tensors.keys() == tensors.keys():
+        if self.own and all(s.tensors.keys() == tensors.keys() and
+                            all(s.tensors[n].shape == t.shape for n, t in tensors.items())
+                            for s in self.own):
             return True  # the buffers exist already
-        needed = 2 * sum(t.numel() * t.element_size() for t in tensors.values())
+        needed = 2 * VERSIONS * sum(t.numel() * t.element_size() for t in tensors.values())
         available = available_host_memory()
         if needed * self._local_workers <= _HEADROOM * available:
             return True
         message = (
-            f"redundancy=1 keeps 2 shard-sized copies per worker in host memory "
+            f"redundancy=1 keeps {2 * VERSIONS} shard-sized buffers per worker in host memory "
             f"({needed / 2**30:.2f} GiB for each of this node's {self._local_workers} "
             f"workers) but only {available / 2**30:.2f} GiB is available; pass redundancy=0 "
             "(storage only) or give the node more host memory."
@@ -272,8 +293,8 @@ class ShardCopies:
         return False
 
     def _stage(self, step: int, tensors: Mapping[str, torch.Tensor],
-               small: dict[str, Any]) -> Snapshot:
-        old = self.own.tensors if self.own is not None else {}
+               small: dict[str, Any], reuse: Snapshot | None) -> Snapshot:
+        old = reuse.tensors if reuse is not None else {}
         buffers: dict[str, torch.Tensor] = {}
         devices: set[torch.device] = set()
         for name, tensor in tensors.items():
@@ -307,26 +328,32 @@ class ShardCopies:
             send_state(link, [holder], payload, chunk_bytes=chunk)
             return time.monotonic() - began
 
+        with self._lock:
+            # Received over the older copy's buffers (shapes permitting); the newer one
+            # stays whole meanwhile, so an owner lost mid-send still has a copy here.
+            spare = self.copies.pop(0) if len(self.copies) >= VERSIONS else None
+        incoming: dict[str, Any] = {} if spare is None else {
+            "step": spare.step, "shards": spare.shards, "index": spare.index,
+            "tensors": spare.tensors, "small": spare.small}
+
         def receive() -> float:
-            target = {"snapshot": self._incoming}
+            target = {"snapshot": incoming}
             receive_state(link, owner, target, device=torch.device("cpu"),
                           chunk_bytes=chunk, mark_torn=False)
-            got = self._incoming
+            got = target["snapshot"]
             with self._lock:
-                self.copy = Snapshot(step=int(got["step"]), shards=int(got["shards"]),
-                                     index=int(got["index"]), tensors=dict(got["tensors"]),
-                                     small=got["small"])
+                self.copies.append(Snapshot(
+                    step=int(got["step"]), shards=int(got["shards"]), index=int(got["index"]),
+                    tensors=dict(got["tensors"]), small=got["small"]))
             return time.monotonic() - began
 
         self._pending = [sender.submit(send)]
         if owner >= 0:
-            with self._lock:
-                self.copy = None  # overwritten in place from now on
             self._pending.append(receiver.submit(receive))
 
     def settle(self) -> None:
         """Waits for the transfers in flight (they fail promptly once the world is
-        aborted); a failed one leaves no copy."""
+        aborted); a failed receive leaves the copies kept before it."""
         pending, self._pending = self._pending, []
         durations = []
         for future in pending:
@@ -344,15 +371,13 @@ class ShardCopies:
         """Drops snapshots of steps after ``step`` (the state went back to ``step``: they
         belong to a history that will not happen again)."""
         with self._lock:
-            if self.own is not None and self.own.step > step:
-                self.own = None
-            if self.copy is not None and self.copy.step > step:
-                self.copy = None
+            self.own = [s for s in self.own if s.step <= step]
+            self.copies = [s for s in self.copies if s.step <= step]
 
-    def holdings(self) -> tuple[Snapshot | None, Snapshot | None]:
-        """The own snapshot and the copy (``None`` where there is none, or it is torn)."""
+    def holdings(self) -> tuple[list[Snapshot], list[Snapshot]]:
+        """The own snapshots and the complete copies, oldest first."""
         with self._lock:
-            return self.own, self.copy
+            return list(self.own), list(self.copies)
 
     def close(self) -> None:
         """Waits for the transfers in flight and stops the background threads."""

@@ -41,7 +41,8 @@ from torch.distributed.tensor import DTensor, Shard
 from elastic.sharded.plan import hsdp_replicas
 from elastic_errors import ConfigError
 
-__all__ = ["Built", "Entry", "ShardedTrainState", "ShardedTraining", "make_mesh", "meta_copy"]
+__all__ = ["Built", "Entry", "ShardedTrainState", "ShardedTraining", "forget_old_meshes",
+           "make_mesh", "meta_copy"]
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +59,33 @@ def meta_copy(module: nn.Module) -> nn.Module:
         memo[id(param)] = nn.Parameter(torch.empty_like(param, device="meta"),
                                        requires_grad=param.requires_grad)
     return copy.deepcopy(module, memo)
+
+
+def forget_old_meshes() -> None:
+    """Clears torch's DTensor sharding-propagation caches before a new world's mesh is used.
+
+    torch compares device meshes by value (ranks, layout, device type, names), so a mesh of a
+    new world equals one of an earlier world of the same size, and the cached result of an
+    operation on the old one (its output's spec, with the *old* mesh object) would be reused:
+    tensors of the new world would carry a mesh whose coordinate is this process's rank in
+    the old world, and a checkpoint's shard offsets would be wrong. Within one process torch
+    assumes a rank never changes; in place it does. Uses the private
+    ``DTensor._op_dispatcher.sharding_propagator`` caches and
+    ``torch._C._clear_DTensor_sharding_propagator_cache`` (pinned in
+    ``tests/unit/test_torch_private_apis.py``).
+    """
+    propagator = getattr(getattr(DTensor, "_op_dispatcher", None), "sharding_propagator", None)
+    clears = {name: getattr(getattr(propagator, name, None), "cache_clear", None)
+              for name in ("propagate_op_sharding", "_propagate_tensor_meta_cached")}
+    # The C++ dispatch fast path keeps a cache of its own.
+    clears["C++ fast path"] = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache",
+                                      None)
+    for name, clear in clears.items():
+        if clear is None:
+            logger.warning("torch has no %s cache to clear: DTensor operations of a new world "
+                           "may reuse an old world's mesh", name)
+        else:
+            clear()
 
 
 def make_mesh(device_type: str, world_size: int, replicate: int) -> DeviceMesh:
@@ -335,6 +363,7 @@ class ShardedTraining:
         Raises:
             ConfigError: If ``parallelize`` shards a parameter on several mesh dimensions.
         """
+        forget_old_meshes()
         mesh = self.mesh_builder(device.type, world_size, self.replicate)
         from_weights = self._initial is not None
         source = self._initial if self._initial is not None else meta_copy(self._skeleton)

@@ -46,7 +46,11 @@ __all__ = ["ReshardOutcome", "ShardedLoopState", "gather_holdings", "reshard_hea
 
 logger = logging.getLogger(__name__)
 
-_FIELDS: Final = 1 + 3 * len(KINDS)  # heal epoch, then (step, shards, index) per kind
+#: Holdings a rank reports: its live state, two own snapshots, two copies.
+_SLOTS: Final = 5
+_FIELDS: Final = 1 + 4 * _SLOTS  # heal epoch, then (kind, step, shards, index) per slot
+
+Slot = tuple[Kind, int, int, int]  # kind, step, shards, index
 
 
 class ShardedLoopState(Protocol):
@@ -72,21 +76,24 @@ class ReshardOutcome:
     built: Built
 
 
-def _encode(heal_epoch: int, slots: dict[Kind, tuple[int, int, int] | None]) -> torch.Tensor:
+def _encode(heal_epoch: int, slots: list[Slot]) -> torch.Tensor:
+    if len(slots) > _SLOTS:
+        raise ValueError(f"a rank reports at most {_SLOTS} holdings ({len(slots)} given).")
     values = [heal_epoch]
-    for kind in KINDS:
-        values.extend(slots.get(kind) or (-1, 1, 0))
+    for kind, step, shards, index in slots:
+        values.extend((KINDS.index(kind), step, shards, index))
+    values.extend([0, -1, 1, 0] * (_SLOTS - len(slots)))
     return torch.tensor(values, dtype=torch.int64)
 
 
-def gather_holdings(heal_epoch: int, slots: dict[Kind, tuple[int, int, int] | None],
-                    group: dist.ProcessGroup) -> tuple[list[Holding], list[int]]:
+def gather_holdings(heal_epoch: int, slots: list[Slot], group: dist.ProcessGroup
+                    ) -> tuple[list[Holding], list[int]]:
     """All-gathers every rank's holdings; keeps those of the ranks that took part in the
     newest heal.
 
     Args:
         heal_epoch: The world epoch of this rank's last completed heal (``0``: none).
-        slots: ``kind -> (step, shards, index)`` of what this rank holds.
+        slots: What this rank holds: ``(kind, step, shards, index)`` each.
         group: The world's gloo group.
 
     Returns:
@@ -95,19 +102,21 @@ def gather_holdings(heal_epoch: int, slots: dict[Kind, tuple[int, int, int] | No
     world = dist.get_world_size(group)
     gathered = [torch.zeros(_FIELDS, dtype=torch.int64) for _ in range(world)]
     dist.all_gather(gathered, _encode(heal_epoch, slots), group=group)
-    rows = [t.tolist() for t in gathered]
-    holders = [r for r in rows if any(r[1 + 3 * k] >= 0 for k in range(len(KINDS)))]
-    newest = max((r[0] for r in holders), default=0)
+    rows = []
+    for tensor in gathered:
+        row = tensor.tolist()
+        rows.append((row[0], [(KINDS[row[1 + 4 * i]], *row[2 + 4 * i:5 + 4 * i])
+                              for i in range(_SLOTS) if row[2 + 4 * i] >= 0]))
+    newest = max((epoch for epoch, held in rows if held), default=0)
     holdings: list[Holding] = []
-    for rank, row in enumerate(rows):
-        if row[0] != newest:
+    live_steps: list[int] = []
+    for rank, (epoch, held) in enumerate(rows):
+        live_steps.append(max((h[1] for h in held if h[0] == "live"), default=-1))
+        if epoch != newest:
             continue
-        for k, kind in enumerate(KINDS):
-            step, shards, index = row[1 + 3 * k:4 + 3 * k]
-            if step >= 0:
-                holdings.append(Holding(rank=rank, kind=kind, step=step, shards=shards,
-                                        index=index))
-    return holdings, [row[1] for row in rows]
+        holdings.extend(Holding(rank=rank, kind=kind, step=step, shards=shards, index=index)
+                        for kind, step, shards, index in held)
+    return holdings, live_steps
 
 
 def reshard_heal(*, training: ShardedTraining, copies: ShardCopies | None,
@@ -134,13 +143,14 @@ def reshard_heal(*, training: ShardedTraining, copies: ShardCopies | None,
     rank = dist.get_rank(group)
     old = training.current
     new = training.build(device, world_size)
-    own, kept = copies.holdings() if copies is not None else (None, None)
+    own, kept = copies.holdings() if copies is not None else ([], [])
     live = old if old is not None and live_step >= 0 else None
-    slots: dict[Kind, tuple[int, int, int] | None] = {
-        "live": (live_step, live.shards, live.index) if live is not None else None,
-        "own": (own.step, own.shards, own.index) if own is not None else None,
-        "copy": (kept.step, kept.shards, kept.index) if kept is not None else None,
-    }
+    snapshots: dict[tuple[Kind, int], Snapshot] = {
+        **{("own", s.step): s for s in own}, **{("copy", s.step): s for s in kept}}
+    slots: list[Slot] = [(kind, snap.step, snap.shards, snap.index)
+                         for (kind, _), snap in snapshots.items()]
+    if live is not None:
+        slots.insert(0, ("live", live_step, live.shards, live.index))
     holdings, live_steps = gather_holdings(heal_epoch, slots, group)
     params = new.sharded_params()
     step = choose_step(holdings, [e.rows for e in params])
@@ -154,7 +164,7 @@ def reshard_heal(*, training: ShardedTraining, copies: ShardCopies | None,
     source = min(at, key=lambda h: (KINDS.index(h.kind), h.rank))
     mine = min((h for h in at if h.rank == rank), key=lambda h: KINDS.index(h.kind),
                default=None)
-    small = _small_of(mine, live, own, kept, loop, training)
+    small = _small_of(mine, live, snapshots, loop, training)
     if small is not None and mine is not None and mine.kind != "live":
         small = clone_tree(small)  # loaded into live objects: the snapshot must stay as it is
     receivers = sorted({r for r in range(world_size)} - {h.rank for h in at})
@@ -179,9 +189,7 @@ def reshard_heal(*, training: ShardedTraining, copies: ShardCopies | None,
         if kind == "live":
             assert live is not None
             return live.local(name)
-        snapshot = own if kind == "own" else kept
-        assert snapshot is not None
-        return snapshot.tensors[name]
+        return snapshots[(kind, step)].tensors[name]
 
     moved = move_pieces(pieces, rank=rank, dims=[e.dim for e in entries],
                         row_bytes=[e.row_bytes for e in entries], read=read,
@@ -194,22 +202,22 @@ def reshard_heal(*, training: ShardedTraining, copies: ShardCopies | None,
     if copies is not None:
         copies.discard_after(step)
     best = max((h.step for h in holdings if h.kind == "live"), default=step)
-    snapshots = any(p.kind != "live" for p in pieces) or source.kind != "live"
+    rolled = any(p.kind != "live" for p in pieces) or source.kind != "live"
     result = HealResult(
         step=step, source=source.rank, steps=tuple(live_steps),
         received=rank in receivers or any(p.dest == rank and p.source != rank for p in pieces),
         sent_bytes=sent + moved.sent_bytes, received_bytes=received + moved.received_bytes,
         staging_bytes=moved.staging_bytes, lost_steps=max(0, best - step),
-        from_snapshots=snapshots)
+        from_snapshots=rolled)
     logger.info("re-sharded into %d shards at step %d (%s; %d step(s) lost) in %.3fs: sent %d, "
                 "received %d bytes", new.shards, step,
-                "from snapshots" if snapshots else "from live shards", result.lost_steps,
+                "from snapshots" if rolled else "from live shards", result.lost_steps,
                 time.monotonic() - started, result.sent_bytes, result.received_bytes)
     return ReshardOutcome(result, new)
 
 
-def _small_of(mine: Holding | None, live: Built | None, own: Snapshot | None,
-              kept: Snapshot | None, loop: ShardedLoopState,
+def _small_of(mine: Holding | None, live: Built | None,
+              snapshots: dict[tuple[Kind, int], Snapshot], loop: ShardedLoopState,
               training: ShardedTraining) -> dict[str, Any] | None:
     """This rank's replicated state at the agreed step, if it holds that step."""
     if mine is None:
@@ -217,6 +225,4 @@ def _small_of(mine: Holding | None, live: Built | None, own: Snapshot | None,
     if mine.kind == "live":
         assert live is not None
         return {**loop.loop_small(), "model": training.small_state(live)}
-    snapshot = own if mine.kind == "own" else kept
-    assert snapshot is not None
-    return snapshot.small
+    return snapshots[(mine.kind, mine.step)].small

@@ -70,3 +70,20 @@ def test_torchrun_argument_parsing_entry_points_exist() -> None:
 
     assert callable(env) and callable(get_args_parser) and callable(config_from_args), (
         "launch/cli.py parses torchrun's flags with torch.distributed.run's own parser")
+
+
+def test_the_dtensor_sharding_caches_can_be_cleared() -> None:
+    # elastic/sharded/model.py forget_old_meshes(): a new world's mesh equals an old world's
+    # of the same size, and torch's DTensor caches would hand the new world's tensors the old
+    # mesh object (this process's old coordinate): wrong checkpoint offsets, dead groups.
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    for name in ("propagate_op_sharding", "_propagate_tensor_meta_cached"):
+        assert callable(getattr(getattr(propagator, name), "cache_clear", None)), (
+            f"DTensor's sharding propagator has no {name}.cache_clear(); sharded models "
+            "re-sharded in place may carry an old world's mesh")
+    assert callable(getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)), (
+        "torch._C._clear_DTensor_sharding_propagator_cache is gone; sharded models re-sharded "
+        "in place may carry an old world's mesh")

@@ -3,6 +3,8 @@ who sends which rows, and where copies go."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -101,7 +103,7 @@ def test_hsdp_losses_are_served_by_the_other_replica_and_spread_over_senders() -
         start, stop = shard_range(12, 2, index)
         rows = sorted((p.start, p.stop) for p in pieces if p.dest == dest)
         assert rows[0][0] == start and rows[-1][1] == stop
-        assert all(a[1] == b[0] for a, b in zip(rows, rows[1:], strict=False))
+        assert all(a[1] == b[0] for a, b in itertools.pairwise(rows))
     sent = {r: sum(p.rows for p in pieces if p.source == r != p.dest) for r in range(4)}
     assert max(sent.values()) - min(sent.values()) <= 4  # nobody sends everything
 

@@ -7,10 +7,13 @@ Four processes live through three worlds, each built on its own prefix of one TC
   (16 rows: 6/6/4 become 4/4/4/4) at step 3, nothing lost, the newcomer receives its shard
   and the replicated state; train 2 steps (snapshot at step 4);
 * world C, processes 0, 1 and 3 (process 2 lost): its shard survives only in its copy at step
-  4, so every rank rolls back one step (the survivors from their own snapshots), and trains on.
+  4, so every rank rolls back one step (the survivors from their own snapshots), and trains on;
+  it saves a DCP checkpoint (a world of 3 whose mesh equals world A's: torch's DTensor caches
+  must not hand it world A's mesh, or the shard offsets are wrong);
+* world D, processes 0 and 1: a model built anew (other weights) loads that checkpoint.
 
 The final weights, gathered, equal a single process's training within 1e-9 (float64), and
-the optimizer's hyper-parameters (a StepLR schedule) follow.
+the optimizer's hyper-parameters (a StepLR schedule) follow; so do the weights world D loaded.
 """
 
 from __future__ import annotations
@@ -73,8 +76,9 @@ class _Loop:
 
 
 def _process(proc: int, port: int, out: str) -> None:
+    from checkpointing import CheckpointManager
     from elastic.sharded.copies import ShardCopies
-    from elastic.sharded.model import ShardedTraining
+    from elastic.sharded.model import ShardedTrainState, ShardedTraining
     from elastic.sharded.plan import copy_holders
     from elastic.sharded.reshard import reshard_heal
 
@@ -126,8 +130,27 @@ def _process(proc: int, port: int, out: str) -> None:
             if rank == 0:
                 results["lr"] = built.optimizer.param_groups[0]["lr"]
                 torch.save(weights, f"{out}.weights.pt")
+            with CheckpointManager(f"{out}.ckpt", process_group=group, run_id="r") as mgr:
+                mgr.save(loop.step, {"train": ShardedTrainState(training)}).committed.result(
+                    timeout=60)
         dist.destroy_process_group()
     copies.close()
+    if proc in (0, 1):  # world D loads world C's checkpoint into a new model
+        dist.init_process_group("gloo", store=dist.PrefixStore("D", store), rank=proc,
+                                world_size=2, timeout=timedelta(seconds=60))
+        torch.manual_seed(5)
+        fresh = ShardedTraining(_model().apply(lambda m: torch.nn.init.zeros_(m.weight)
+                                               if isinstance(m, nn.Linear) else None),
+                                parallelize=_parallelize,
+                                optimizer=lambda params: torch.optim.Adam(params, lr=1e-2))
+        fresh.install(fresh.build(torch.device("cpu"), 2))
+        with CheckpointManager(f"{out}.ckpt", process_group=dist.group.WORLD) as mgr:
+            info = mgr.load({"train": ShardedTrainState(fresh)})
+        assert info is not None
+        weights = {k: v.full_tensor() for k, v in fresh.require().module.state_dict().items()}
+        if proc == 0:
+            torch.save(weights, f"{out}.loaded.pt")
+        dist.destroy_process_group()
     Path(f"{out}.{proc}.json").write_text(json.dumps(results))
 
 
@@ -162,4 +185,6 @@ def test_fsdp_state_is_resharded_and_rolled_back_in_place(tmp_path: Path) -> Non
     weights = torch.load(f"{out}.weights.pt", weights_only=True)
     worst = max((weights[k] - v).abs().max().item() for k, v in model.state_dict().items())
     assert worst < 1e-9, worst
+    loaded = torch.load(f"{out}.loaded.pt", weights_only=True)
+    assert all(torch.equal(loaded[k], weights[k]) for k in weights)
     assert results[0]["lr"] == pytest.approx(optim.param_groups[0]["lr"])
