@@ -94,6 +94,10 @@ class ShardedWay:
         if controller is not None:
             # NCCL: a step of an aborted world must never be applied (see the controller).
             optimizer.register_step_pre_hook(lambda *_a: controller.before_optimizer_step())
+        copies = self._copies
+        if copies is not None:
+            # No rank's state moves past a refresh before its copies are whole everywhere.
+            optimizer.register_step_pre_hook(lambda *_a: copies.confirm())
 
     def _build_mesh(self, device_type: str, world_size: int, replicate: int) -> DeviceMesh:
         """The world's mesh; in place, its groups are aborted with the world's."""

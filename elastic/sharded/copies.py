@@ -15,11 +15,14 @@ every survivor rolls back to that step from its own snapshot (a survivor whose l
 is at that step keeps it): at most the steps since the snapshot are lost, and the data
 cursor rolls back with the weights, so every sample is still trained exactly once.
 
-**Two versions of each.** A refresh overwrites the *older* of the two own snapshots and
-the older of the two copies, and starts only once the previous refresh's transfers are
-complete on this rank (sent and received). So while a refresh is in flight the previous one
-is whole everywhere: a rank lost in the middle of its send, or a whole node lost in the
-middle of a refresh, rolls the job back to the previous refresh instead of to storage.
+**Two versions of each, and a confirmation.** A refresh overwrites the *older* of the two
+own snapshots and the older of the two copies, so while it is in flight the previous one is
+whole everywhere: a rank lost in the middle of its send, or a whole node lost in the middle
+of a refresh, rolls the job back to the previous refresh instead of to storage. Its
+transfers overlap the next step's compute, and before that step's optimizer step every rank
+confirms them (:meth:`ShardCopies.confirm`: one small all-reduce per refresh): no rank's
+state moves past a refresh before every copy of it is whole. So a loss costs at most ``K``
+steps (``K`` the steps between refreshes), wherever it strikes.
 
 **Memory:** four shard-sized host buffers per rank (two own snapshots, two copies of the
 owner's shard: about ``4 x`` the rank's share of parameters and optimizer state), plus the
@@ -184,6 +187,7 @@ class ShardCopies:
         self._announced = False
         self._lanes: tuple[_Lane, _Lane] | None = None
         self._pending: list[Future[Any]] = []
+        self._unconfirmed: int | None = None  # the step of a refresh not yet confirmed
         self._lock = threading.Lock()
         self._last_take = -float("inf")
         #: Seconds the last refresh blocked training (its copy into host memory).
@@ -220,6 +224,7 @@ class ShardCopies:
         self._local_workers = max(1, local_workers)
         self._skipped = False
         self._announced = False
+        self._unconfirmed = None  # the previous world's group is gone
 
     def due(self, step: int) -> bool:
         """Whether this rank wants a refresh after ``step`` completed steps."""
@@ -263,6 +268,7 @@ class ShardCopies:
         self._last_take = started
         self.refreshes += 1
         self._exchange(own)
+        self._unconfirmed = step
         if not self._announced:
             self._announced = True
             logger.info("shard copies: snapshot of step %d (%d bytes, %.1f ms) goes to rank %d; "
@@ -351,14 +357,20 @@ class ShardCopies:
         if owner >= 0:
             self._pending.append(receiver.submit(receive))
 
-    def settle(self) -> None:
+    def settle(self) -> int:
         """Waits for the transfers in flight (they fail promptly once the world is
-        aborted); a failed receive leaves the copies kept before it."""
+        aborted); a failed receive leaves the copies kept before it.
+
+        Returns:
+            How many of them failed.
+        """
         pending, self._pending = self._pending, []
         durations = []
+        failed = 0
         for future in pending:
             error = future.exception()
             if error is not None:
+                failed += 1
                 logger.warning("a shard copy transfer failed (%s); the copy is dropped",
                                str(error).splitlines()[0][:200] if str(error) else
                                type(error).__name__)
@@ -366,6 +378,33 @@ class ShardCopies:
             durations.append(float(future.result()))
         if durations:
             self.exchange_s = max(durations)
+        return failed
+
+    def confirm(self) -> None:
+        """Before an optimizer step: the last refresh's transfers are whole on every rank.
+
+        Waits for this rank's, then all-reduces whether any rank's failed (one collective
+        per refresh, on the copies' group). A refresh that failed while every rank is alive
+        (a transfer error, not a loss) is dropped everywhere, and the one before stays.
+
+        Raises:
+            RuntimeError: (gloo's, or ``DistError``) when a member is gone: the step must
+                not be applied, and the loop abandons it (a peer's failure).
+        """
+        step, self._unconfirmed = self._unconfirmed, None
+        group = self._group
+        if step is None or group is None:
+            return
+        started = time.monotonic()
+        failed = torch.tensor([self.settle()], dtype=torch.int64)
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=group)
+        self.blocking_s += time.monotonic() - started
+        if failed.item():
+            logger.warning("the shard copies of step %d are not whole on every rank; they are "
+                           "dropped (the previous refresh stays)", step)
+            with self._lock:
+                self.own = [s for s in self.own if s.step != step]
+                self.copies = [s for s in self.copies if s.step != step]
 
     def discard_after(self, step: int) -> None:
         """Drops snapshots of steps after ``step`` (the state went back to ``step``: they

@@ -78,7 +78,7 @@ class _Loop:
 def _process(proc: int, port: int, out: str) -> None:
     from checkpointing import CheckpointManager
     from elastic.sharded.copies import ShardCopies
-    from elastic.sharded.model import ShardedTrainState, ShardedTraining
+    from elastic.sharded.model import ShardedTraining, ShardedTrainState
     from elastic.sharded.plan import copy_holders
     from elastic.sharded.reshard import reshard_heal
 
@@ -117,6 +117,7 @@ def _process(proc: int, port: int, out: str) -> None:
             x, y = _batch(loop.step)
             loss = (built.module(x[rank::world]) - y[rank::world]).square().sum()
             (loss * world / _GLOBAL).backward()
+            copies.confirm()  # what the loop's optimizer pre-step hook does
             built.optimizer.step()
             built.optimizer.zero_grad()
             built.scheduler.step()
