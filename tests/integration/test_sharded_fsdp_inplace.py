@@ -10,7 +10,8 @@ block, through the managed ``ElasticLoop(parallelize=...)``, with the per-sample
   new node joining.
 * **Both holders of one shard** killed together (3 nodes x 1 worker: a worker and the worker
   keeping its copy, on the next node): the one loss the copies cannot cover ends in a
-  restore from storage (ordinary storage here).
+  restore from storage (ordinary storage here). This job's script is written the explicit
+  way (``for step in loop``, ``loop.step_guard()``, ``loop.module``, ``loop.optimizer``).
 
 Checks: the final weights (the final checkpoint, gathered into full tensors) equal an
 undisturbed 1-node run's within 1e-9; every step trained exactly its global batch, once; the
@@ -98,7 +99,7 @@ def both_holders(endpoint: str,
     root = tmp_path_factory.mktemp("fsdp-holders")
     with cluster(root, endpoint, "holders-" + root.name[-8:]) as c:
         job = ShardedJob(c, root, flags("1:3", 1), steps=STEPS,
-                         worker_flags=("--snapshot-every", str(K),
+                         worker_flags=("--snapshot-every", str(K), "--explicit",
                                        "--step-time", str(STEP_TIME)))
         job.open_gate(0)
         a, b, cc = (job.start_node() for _ in range(3))

@@ -9,6 +9,9 @@ The final weights are the final checkpoint's (DCP; the test gathers them into fu
 once a checkpoint is committed (:mod:`tests.support.failing_reads`), so a job that finishes
 recovered from every fault without storage.
 ``--replicate R`` trains HSDP (``R`` replica groups while the world allows them).
+``--explicit`` writes the steps itself (``for step in loop``, ``loop.step_guard()``,
+``loop.micro_batches``, ``loop.optimizer.step()``) instead of ``loop.batches()``, and its own
+audit records (the managed loop's format, through ``elastic.loop.audit.SampleAudit``).
 ``--step-time S`` sleeps at the start of every step (kills from outside land mid-step).
 ``--gate-file PATH`` holds step ``s`` until the file holds a number above ``s``, or until a
 newer world is pending (a joiner is admitted at the end of the released step).
@@ -24,6 +27,7 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -118,6 +122,7 @@ def main() -> int:
     parser.add_argument("--replicate", type=int, default=1)
     parser.add_argument("--redundancy", type=int, default=1)
     parser.add_argument("--snapshot-every", type=int, default=0)
+    parser.add_argument("--explicit", action="store_true")
     args = parser.parse_args()
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # debugging a hang: kill -USR1
     logging.basicConfig(level=os.environ.get("LOGLEVEL", "INFO").upper(),
@@ -132,26 +137,72 @@ def main() -> int:
 
     ctx = elastic.init("gloo", inplace=True)
     torch.manual_seed(0)
-    loop = elastic.ElasticLoop(
-        ctx, model=TinyTransformer().double(),
+    dataset = Sequences(args.dataset_size)
+    common: dict[str, Any] = dict(
+        model=TinyTransformer().double(),
         optimizer=lambda params: torch.optim.Adam(params, lr=1e-2),
         scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=7, gamma=0.5),
         parallelize=parallelize, replicate=args.replicate, redundancy=args.redundancy,
-        snapshot_every=args.snapshot_every or None, data=Sequences(args.dataset_size),
-        seed=11, global_batch_size=args.global_batch, micro_batch_size=args.micro_batch,
-        max_steps=args.steps, checkpoint=url, checkpoint_interval=args.interval,
-    )
+        snapshot_every=args.snapshot_every or None, global_batch_size=args.global_batch,
+        micro_batch_size=args.micro_batch, max_steps=args.steps, checkpoint=url,
+        checkpoint_interval=args.interval)
+
+    def release() -> bool:
+        return ctx.inplace is not None and ctx.inplace.change_pending()
+
+    if args.explicit:
+        _explicit(ctx, dataset, common, args, release)
+        return 0
+    loop = elastic.ElasticLoop(ctx, data=dataset, seed=11, **common)
     held = -1
     for x, y in loop.batches():
         if loop.step != held:  # the step's first micro-batch
             held = loop.step
-            _hold(args.gate_file, loop.step,
-                  lambda: ctx.inplace is not None and ctx.inplace.change_pending())
+            _hold(args.gate_file, loop.step, release)
             time.sleep(args.step_time)
         loop.backward(nn.functional.mse_loss(loop.model(x), y))
     print(f"[sharded-worker] pid={os.getpid()} rank={ctx.rank} stopped at step {loop.step} "
           f"(storage loads {loop.storage_loads})", flush=True)
     return 0
+
+
+def _explicit(ctx: Any, dataset: Sequences, common: dict[str, Any], args: Any,
+              release: Any) -> None:
+    """The explicit way: the script writes each step; the audit is written here."""
+    from torch.utils.data import DataLoader
+
+    from elastic.loop.audit import IndexedCollate, IndexedDataset, SampleAudit
+
+    audit = SampleAudit.from_env()
+    sampler = elastic.ElasticSampler(len(dataset), seed=11)
+    with elastic.ElasticLoop(ctx, sampler=sampler, **common) as loop:
+        loader = DataLoader(IndexedDataset(dataset), batch_sampler=loop.batch_sampler(),
+                            collate_fn=IndexedCollate(None))
+        for step in loop:
+            heal = ctx.inplace.last_heal if ctx.inplace is not None else None
+            if audit is not None:
+                audit.world(generation=ctx.generation, rank=ctx.rank, world=ctx.world_size,
+                            step=step, storage_loads=loop.storage_loads,
+                            received=bool(heal and heal.received),
+                            source=heal.source if heal else -1)
+            with loop.step_guard():
+                _hold(args.gate_file, step, release)
+                time.sleep(args.step_time)
+                model = loop.module  # this world's sharded model
+                for ids, (x, y) in loop.micro_batches(loader, model):
+                    if audit is not None:
+                        audit.batch(generation=ctx.generation, step=step, rank=ctx.rank,
+                                    ids=ids)
+                    loop.scale_loss(nn.functional.mse_loss(model(x), y)).backward()
+                loop.optimizer.step()
+                loop.optimizer.zero_grad(set_to_none=True)
+                loop.scheduler.step()
+                if audit is not None:
+                    audit.done(generation=ctx.generation, step=step, rank=ctx.rank,
+                               world=ctx.world_size)
+                loop.end_step()
+        print(f"[sharded-worker] pid={os.getpid()} rank={ctx.rank} (explicit) stopped at "
+              f"step {loop.step} (storage loads {loop.storage_loads})", flush=True)
 
 
 if __name__ == "__main__":
