@@ -16,8 +16,8 @@ tensor, which holder sends which rows of its shard. Both are deterministic, so e
 computes the same plan from the same all-gathered holdings, and they are tested with tables
 (``tests/unit/elastic/test_sharded_plan.py``).
 
-The plan prefers rows a rank already holds (no transfer), then spreads the rest over the
-holders by the bytes each is already asked to send, then live state over snapshots.
+The plan prefers rows a rank already holds (no transfer), then live state over snapshots,
+then spreads the rest over the holders by the bytes each is already asked to send.
 """
 
 from __future__ import annotations
@@ -161,7 +161,7 @@ def plan_pieces(holdings: Sequence[Holding], step: int, sizes: Sequence[int],
                     raise ValueError(f"row {position} of tensor {tensor} is held by no rank "
                                      f"at step {step}.")
                 holder, lo, hi = min(candidates, key=lambda c: (
-                    c[0].rank != dest, sent.get(c[0].rank, 0), KINDS.index(c[0].kind),
+                    c[0].rank != dest, KINDS.index(c[0].kind), sent.get(c[0].rank, 0),
                     -c[2], c[0].rank))
                 end = min(hi, stop)
                 pieces.append(Piece(tensor=tensor, source=holder.rank, kind=holder.kind,
