@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 
 __all__ = ["StepAgreement"]
 
-_DRAIN, _NEWER_WORLD, _SNAPSHOT = 0, 1, 2
+_DRAIN, _NEWER_WORLD, _SNAPSHOT = 0, 1, 2  # _SNAPSHOT: a rank holds a refresh of copies off
 
 
 class StepAgreement:
@@ -67,6 +67,6 @@ class StepAgreement:
             return False
         if agreed[_NEWER_WORLD] and self._inplace is not None:
             self._inplace.request("membership")
-        if agreed[_SNAPSHOT]:
+        if not agreed[_SNAPSHOT]:  # no rank held a refresh off
             self._snapshot_agreed = True
         return bool(agreed[_DRAIN])

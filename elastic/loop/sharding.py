@@ -229,9 +229,10 @@ class ShardedWay:
     # -- snapshots ----------------------------------------------------------------------------
 
     def _snapshot_flag(self) -> bool:
-        """This rank's vote for a refresh (automatic cadence: agreed at a boundary)."""
+        """This rank's vote *against* a refresh now (automatic cadence, agreed at a boundary:
+        every rank must find it due, so the rank whose refreshes cost most sets the pace)."""
         copies = self._copies
-        return copies is not None and copies.every is None and copies.due(self.step)
+        return copies is None or copies.every is not None or not copies.due(self.step)
 
     def _refresh_copies(self) -> None:
         """After a completed step: refreshes the snapshot when due (the same on every rank)."""

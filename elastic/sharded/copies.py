@@ -31,9 +31,10 @@ without copies) when the node's available host memory cannot hold them for all i
 
 **Cadence:** ``every=K`` refreshes after every ``K``-th step. The default (``None``) chooses
 it from measurement: a rank asks for a refresh once the time since the last one is at least
-100 times what the last one cost (its blocking copy plus its background transfer), so the
-refreshes take at most 1 % of the training time, whatever the model and the machine; the
-ranks agree on it at a step boundary (:mod:`~elastic.loop.agreement`).
+100 times what the last one cost (its blocking copy and confirmation plus its background
+transfer), so the refreshes take at most 1 % of the training time, whatever the model and
+the machine; the ranks agree on it at a step boundary (:mod:`~elastic.loop.agreement`), and
+a refresh happens only when every rank finds it due.
 """
 
 from __future__ import annotations
