@@ -8,8 +8,8 @@ memory but the buffers), and on every world it builds the model anew: a copy of 
 skeleton, ``parallelize(copy, mesh)`` with a :class:`~torch.distributed.device_mesh.DeviceMesh`
 of that world, ``to_empty()`` on the worker's device, and a new optimizer from the user's
 callable. The new shards are then filled from the old world's (:mod:`~elastic.sharded.reshard`)
-or from storage. Only the first world is built from the model the script passed, with its
-weights.
+or from storage. The first world's shards are cut from the model the script passed (never changed
+itself).
 
 The mesh is 1-D (``("shard",)``: FSDP) or, with ``replicate=R``, 2-D
 ``("replicate", "shard")`` (HSDP), with as many replica groups as the world size allows: the
@@ -38,7 +38,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
-from elastic.sharded.plan import hsdp_replicas
+from elastic.sharded.plan import hsdp_replicas, shard_range
 from elastic_errors import ConfigError
 
 __all__ = ["Built", "Entry", "ShardedTrainState", "ShardedTraining", "forget_old_meshes",
@@ -166,7 +166,7 @@ class Built:
         index: This rank's shard.
         shard_index: The shard index of every rank of the world (by rank).
         params: Parameters by name, as built (FSDP swaps them during forward and backward).
-        from_weights: Built from the script's model (with its weights), not the skeleton.
+        from_weights: Its shards were cut from the script's model's initial weights.
     """
 
     module: nn.Module
@@ -327,6 +327,11 @@ class ShardedTraining:
         self.scheduler_factory = scheduler
         self.replicate = replicate
         self._on_optimizer = on_optimizer
+        if any(p.device.type == "meta" for p in module.parameters()):
+            raise ConfigError(
+                "model= has parameters on the meta device; with parallelize= pass the model "
+                "with its initial weights (the loop shards them on the first world)."
+            )
         self._initial: nn.Module | None = module
         self._skeleton = meta_copy(module)
         self._buffers = {name: buf.detach().clone()
@@ -348,33 +353,32 @@ class ShardedTraining:
                                "world; use loop.model inside the loop.")
         return self.current
 
-    @property
-    def has_weights(self) -> bool:
-        """Whether the script's model (with its initial weights) was not used yet."""
-        return self._initial is not None
-
     def build(self, device: torch.device, world_size: int) -> Built:
         """Builds a world's model on a new mesh (a collective), not yet installed.
 
-        The first build shards the script's model; later ones a skeleton copy whose shards
-        are allocated (uninitialised) on ``device``, and whose buffers get the values the
-        script's model had.
+        The model is a skeleton copy passed through ``parallelize``, its shards allocated on
+        ``device`` and its buffers given the values the script's model had. Until a world is
+        installed (:meth:`install`), its shards are cut from the script's model's weights
+        (each rank copies its own rows: the script's model is never changed, so a build that
+        fails leaves them for the next); later worlds' are filled by the heal or from storage.
 
         Raises:
             ConfigError: If ``parallelize`` shards a parameter on several mesh dimensions.
         """
         forget_old_meshes()
         mesh = self.mesh_builder(device.type, world_size, self.replicate)
-        from_weights = self._initial is not None
-        source = self._initial if self._initial is not None else meta_copy(self._skeleton)
-        self._initial = None
+        source = meta_copy(self._skeleton)
         module = self.parallelize(source, mesh) or source
-        if not from_weights:
-            module.to_empty(device=device)
-            with torch.no_grad():
-                for name, buf in module.named_buffers():
-                    if name in self._buffers:
-                        buf.copy_(self._buffers[name])
+        module.to_empty(device=device)
+        initial = self._initial
+        with torch.no_grad():
+            buffers = (dict(initial.named_buffers()) if initial is not None
+                       else self._buffers)
+            for name, buf in module.named_buffers():
+                if name in buffers:
+                    buf.copy_(buffers[name])
+            if initial is not None:
+                _cut_weights(dict(initial.named_parameters()), module)
         params = dict(module.named_parameters())
         optimizer = self.optimizer_factory(iter(params.values()))
         scheduler = (self.scheduler_factory(optimizer) if self.scheduler_factory is not None
@@ -384,11 +388,14 @@ class ShardedTraining:
         shards, index, shard_index = _mesh_shards(mesh, params)
         return Built(module=module, optimizer=optimizer, scheduler=scheduler, mesh=mesh,
                      shards=shards, index=index, shard_index=shard_index, params=params,
-                     from_weights=from_weights)
+                     from_weights=initial is not None)
 
     def install(self, built: Built) -> None:
-        """Makes ``built`` the current world's (the previous one is dropped)."""
+        """Makes ``built`` the current world's (the previous one is dropped, and so is the
+        script's model once a world holds its weights)."""
         self.current = built
+        if built.from_weights:
+            self._initial = None
         # FSDP's modules and hooks form reference cycles: collect the old world's now, which
         # frees its shards at once (and never lets the interpreter's exit collect process
         # groups that torch.distributed already destroyed, which aborts the process).
@@ -460,6 +467,24 @@ class ShardedTraining:
                 target.copy_(value)
         if small["scheduler"] is not None and built.scheduler is not None:
             built.scheduler.load_state_dict(small["scheduler"])
+
+
+def _cut_weights(full: dict[str, nn.Parameter], module: nn.Module) -> None:
+    """Copies each parameter's rows of this rank's shard from the full weights (``torch.chunk``
+    along the sharded dimension, as ``fully_shard`` cuts them)."""
+    for name, param in module.named_parameters():
+        source = full[name].detach()
+        if not isinstance(param, DTensor):
+            param.copy_(source)
+            continue
+        where = _shard_placement(param)
+        if where is None:
+            param.to_local().copy_(source)
+            continue
+        mesh_dim, dim = where
+        start, stop = shard_range(source.shape[dim], param.device_mesh.size(mesh_dim),
+                                  param.device_mesh.get_local_rank(mesh_dim))
+        param.to_local().copy_(source.narrow(dim, start, stop - start))
 
 
 def _mesh_shards(mesh: DeviceMesh, params: dict[str, nn.Parameter]
