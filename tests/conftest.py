@@ -1,17 +1,20 @@
 """Fixtures shared by every test: a real etcd server on loopback, per-test key prefixes, and
 clusters of network namespaces (``netns_cluster``, ``netns_cluster_factory``: see
-``tests/support/netns_pytest.py``)."""
+``tests/support/netns_pytest.py``); and the CI rule that no test may skip except on GPUs
+(``tests/support/no_silent_skips.py``)."""
 
 from __future__ import annotations
 
-import os
 import uuid
 from collections.abc import Iterator
 
 import pytest
 
-from elastic import env
+from tests.support.etcd_required import etcd_required
 from tests.support.netns_pytest import netns_cluster, netns_cluster_factory  # noqa: F401
+
+# Under CI=true a skipped test (other than a GPU test) fails the run: see the module.
+from tests.support.no_silent_skips import pytest_configure  # noqa: F401
 
 
 @pytest.fixture(scope="session")
@@ -21,14 +24,10 @@ def etcd_server() -> Iterator[object]:
     Skips when no binary is installed, unless ``ELASTIC_REQUIRE_ETCD=1`` (set by CI), which
     turns the skip into a failure so a missing install can never pass quietly.
     """
-    from launch.etcd_server import EmbeddedEtcd, EtcdBinaryNotFoundError
+    from launch.etcd_server import EmbeddedEtcd
 
-    try:
+    with etcd_required():
         server = EmbeddedEtcd()
-    except EtcdBinaryNotFoundError as exc:
-        if os.environ.get(env.REQUIRE_ETCD) == "1":
-            pytest.fail(str(exc))
-        pytest.skip(str(exc))
     server.start()
     try:
         yield server

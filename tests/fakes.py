@@ -1,6 +1,6 @@
 """In-memory stand-ins for unit tests (each next to a test of the real thing).
 
-:class:`FakeEtcd` duck-types :class:`elastic.etcd.EtcdClient` with etcd's semantics: one global
+:class:`FakeEtcd` duck-types :class:`membership.etcd.EtcdClient` with etcd's semantics: one global
 revision, create/mod revisions per key, leases that expire on a fake clock (:meth:`advance`) and
 delete their keys, prefix watches that deliver events on their own thread, and compare-and-swap
 that returns the current value when it fails. The contract tests in ``tests/contracts.py`` run
@@ -18,7 +18,7 @@ from datetime import timedelta
 from typing import Any
 
 from elastic.errors import EtcdUnavailableError
-from elastic.etcd import EtcdConfig, KeyValue, Lease, WatchEvent
+from membership.etcd import EtcdConfig, KeyValue, Lease, WatchEvent
 
 
 @dataclass
@@ -28,7 +28,7 @@ class _LeaseRecord:
 
 
 class FakePrefixWatch:
-    """The in-memory twin of :class:`elastic.etcd.PrefixWatch`."""
+    """The in-memory twin of :class:`membership.etcd.PrefixWatch`."""
 
     def __init__(
         self, fake: FakeEtcd, prefix: str,
@@ -337,6 +337,6 @@ class FakeEtcd:
 
 
 def fake_client(fake: FakeEtcd) -> Any:
-    """``fake`` typed as :class:`elastic.etcd.EtcdClient` for the code under test."""
+    """``fake`` typed as :class:`membership.etcd.EtcdClient` for the code under test."""
     return fake
 

@@ -32,24 +32,42 @@ import re
 import statistics
 import time
 from collections import deque
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, Final, Protocol
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import TCPStore
 
 from elastic import env
 from elastic.agent_link import AgentLink
 from elastic.context import ElasticContext, World
+from elastic.contract.messages import (
+    AgentMessage,
+    BuildFailed,
+    Declare,
+    Finished,
+    Progress,
+    Ready,
+    Resumed,
+    Stalled,
+    Suspect,
+    Waiting,
+)
+from elastic.contract.records import WorldRecord
 from elastic.failures import is_peer_failure_type
 from elastic.inplace.abort import WorldAbort
 from elastic.inplace.groups import abort_groups, build_groups, set_group_timeout, standby_groups
 from elastic.inplace.heal import HealResult, agree_and_heal
-from elastic.inplace.step_fence import STEP_FENCE_ENV, StepFence, step_fence_from_env
+from elastic.inplace.step_fence import (
+    STEP_FENCE_ENV,
+    FenceMode,
+    StepFence,
+    step_fence_from_env,
+)
 from elastic.process_group import ProcessGroups
-from elastic.rdzv.records import WorldRecord
 from elastic_errors import ConfigError, ElasticError, JobFatalError
+from torch_private import TCPStore
 
 
 class ElasticLoop(Protocol):
@@ -64,6 +82,8 @@ class ElasticLoop(Protocol):
     def world_changed(self) -> None: ...
     def restore_from_storage(self) -> int: ...
     def settle_save(self) -> None: ...
+    def rewind(self, point: Any) -> None: ...
+    def step_gate_blocker(self) -> str | None: ...
 
 __all__ = ["InPlaceController", "SpoiledStateError", "StepRetriesExceeded", "init_inplace"]
 
@@ -73,11 +93,6 @@ DEFAULT_BUILD_TIMEOUT_S: Final = 10.0
 DEFAULT_HANG_TIMEOUT_S: Final = 10.0
 DEFAULT_HANG_FACTOR: Final = 10.0
 DEFAULT_MAX_STEP_RETRIES: Final = 3
-#: Waiting in a collective this long (or this many median steps, if longer) makes the agent
-#: look for a peer host that went silent (launch.silent_peers): cheap, and it acts only on
-#: two independent signs, so it can start early.
-STALL_FLOOR_S: Final = 0.5
-STALL_FACTOR: Final = 3.0
 _EVIDENCE_TIMEOUT_S: Final = 4.0  # a crash is reported in ~0.1 s, a silent host in ~ttl
 _MAX_BUILDS: Final = 100
 _STEP_TIMES: Final = 50
@@ -141,13 +156,13 @@ class InPlaceController:
         self._guard: WorldAbort | None = None
         #: NCCL only: keeps a step of an aborted world from being applied, or notes that it
         #: was (elastic.inplace.step_fence).
-        self.fence = (StepFence(device, wait=step_fence_from_env()) if backend == "nccl"
+        self.fence = (StepFence(device, mode=step_fence_from_env()) if backend == "nccl"
                       else None)
         self._building: WorldRecord | None = None
         self._failed_at: float | None = None
         self._retries: dict[int, int] = {}
         self._tried_epoch = 0
-        # Progress rule (see elastic.rdzv.proposal.laggards).
+        # Progress rule (see membership.proposal.laggards).
         self.hang_timeout = _env_number(env.HANG_TIMEOUT, DEFAULT_HANG_TIMEOUT_S)
         self.hang_factor = _env_number(env.HANG_FACTOR, DEFAULT_HANG_FACTOR)
         self._step_times: deque[float] = deque(maxlen=_STEP_TIMES)
@@ -184,7 +199,7 @@ class InPlaceController:
             return
         self.declared = True
         if not self.deferred:
-            self.link.send("declare", inplace=True, max_world=global_batch)
+            self.link.send(Declare(inplace=True, max_world=global_batch))
 
     # -- membership evidence ----------------------------------------------------------------
 
@@ -219,7 +234,7 @@ class InPlaceController:
         return (world is not None and newest is not None and newest.epoch > world.epoch
                 and self.me not in newest.ranks() and self.me not in newest.departed)
 
-    def _on_message(self, message: dict[str, Any]) -> None:
+    def _on_message(self, message: AgentMessage | None = None) -> None:
         """Aborts the current world (or the one being built) when membership says so."""
         guard = self._guard
         if guard is None or guard.aborted:
@@ -258,7 +273,7 @@ class InPlaceController:
         self._step = self.link.step = self._completed = step + 1
         if self._reported_waiting is not None or self._reported_stalled is not None:
             self._reported_waiting = self._reported_stalled = None
-            self.link.send("resumed")
+            self.link.send(Resumed())
 
     def hang_threshold(self) -> float:
         """Seconds of waiting in a collective after which a peer is reported as holding it."""
@@ -267,10 +282,12 @@ class InPlaceController:
         return max(self.hang_timeout, self.hang_factor * statistics.median(self._step_times))
 
     def stall_threshold(self) -> float:
-        """Seconds of waiting in a collective after which the agent checks for silent peers."""
-        if not self._step_times:
+        """Seconds of waiting in a collective after which the agent checks for silent peers
+        (the agent's rule, :mod:`membership.silent_peers`, passed on in its welcome)."""
+        rule = self.link.stall
+        if not self._step_times or rule is None:
             return float("inf")
-        return max(STALL_FLOOR_S, STALL_FACTOR * statistics.median(self._step_times))
+        return max(rule.floor_s, rule.factor * statistics.median(self._step_times))
 
     def _tick(self) -> None:
         """Heartbeat-thread check: report progress, and report waiting past the threshold."""
@@ -279,19 +296,19 @@ class InPlaceController:
         # job from an etcd outage by whether its workers still train).
         if self._completed != self._reported_step:
             self._reported_step = self._completed
-            self.link.send("progress", step=self._completed)
+            self.link.send(Progress(self._completed))
         arrived, world = self._arrived, self.world
         if arrived is None or world is None:
             return
         waited = time.monotonic() - arrived[1]
         if self._reported_stalled != (world.epoch, arrived[0]) and waited > self.stall_threshold():
             self._reported_stalled = (world.epoch, arrived[0])
-            self.link.send("stalled", epoch=world.epoch, step=arrived[0])
+            self.link.send(Stalled(world.epoch, arrived[0]))
         if self._reported_waiting != arrived[0] and waited > self.hang_threshold():
             self._reported_waiting = arrived[0]
             logger.warning("waited %.1f s in the collective of step %d: reporting it",
                            time.monotonic() - arrived[1], arrived[0])
-            self.link.send("waiting", epoch=world.epoch, step=arrived[0])
+            self.link.send(Waiting(world.epoch, arrived[0]))
 
     # -- building worlds --------------------------------------------------------------------
 
@@ -308,8 +325,8 @@ class InPlaceController:
     def _exit_if_over(self) -> None:
         end = self.link.end
         if end is not None:
-            logger.info("the run ended (%s): %s", end.get("outcome"), end.get("reason"))
-            raise SystemExit(0 if end.get("outcome") == "finished" else 1)
+            logger.info("the run ended (%s): %s", end.outcome, end.reason)
+            raise SystemExit(0 if end.outcome == "finished" else 1)
         if self.link.evicted is not None:
             logger.warning("evicted by the agent: %s", self.link.evicted)
             raise SystemExit(1)
@@ -326,7 +343,7 @@ class InPlaceController:
                            on_abort=self.fence.on_abort if self.fence is not None else None)
         self._guard, self._building = guard, world
         started = time.monotonic()
-        self._on_message({})  # a change that landed before the guard existed
+        self._on_message()  # a change that landed before the guard existed
         try:
             guard.check()
             client = TCPStore(world.store[0], world.store[1], is_master=False,
@@ -343,7 +360,7 @@ class InPlaceController:
             self._building = None
             # Nobody else may know (the others may be waiting for this worker): the leader
             # writes this world again once its members' builds have all ended.
-            self.link.send("build_failed", epoch=world.epoch)
+            self.link.send(BuildFailed(world.epoch))
             return None
         self._building = None
         if self.train_timeout is not None:
@@ -352,7 +369,7 @@ class InPlaceController:
         self.reconfigurations += 1
         logger.info("world epoch %d built in %.3fs: rank %d of %d", world.epoch,
                     time.monotonic() - started, rank, world.world_size)
-        self._on_message({})  # a loss reported during the build: abort now, not at a timeout
+        self._on_message()  # a loss reported during the build: abort now, not at a timeout
         return groups
 
     def _drop_world(self) -> None:
@@ -369,7 +386,7 @@ class InPlaceController:
         (:meth:`~elastic.inplace.abort.WorldAbort.adopt`).
 
         Args:
-            before: :func:`~elastic.inplace.sockets.socket_inodes` taken before building them.
+            before: :func:`torch_private.socket_inodes` taken before building them.
             groups: The groups.
 
         Raises:
@@ -436,7 +453,7 @@ class InPlaceController:
         if self.deferred:
             self.deferred = False
             started = time.monotonic()
-            self.link.send("ready", inplace=True, max_world=self.global_batch)
+            self.link.send(Ready(inplace=True, max_world=self.global_batch))
             self._install(self.join(self.join_timeout))
             logger.info("admitted to world epoch %d in %.3fs after entering the loop",
                         self.world.epoch if self.world else -1, time.monotonic() - started)
@@ -446,6 +463,7 @@ class InPlaceController:
         assert self.ctx is not None
         for _ in range(_MAX_BUILDS):
             try:
+                self._rewind(loop)
                 spoiled = self.fence is not None and self.fence.spoiled
                 if spoiled:
                     logger.warning("this worker applied step(s) whose collective an abort cut "
@@ -493,6 +511,13 @@ class InPlaceController:
         if checkpoint is not None and checkpoint.latest() is not None:
             return
         where = f"in {checkpoint.storage.url}" if checkpoint is not None else "(none is kept)"
+        if self.fence is not None and self.fence.mode is FenceMode.DEVICE:
+            raise SpoiledStateError(
+                f"the stream did not finish after world {self.world.epoch if self.world else -1}"
+                " was aborted, so this worker cannot tell which steps the device skipped, no "
+                f"rank holds a sound state and no checkpoint is committed {where}, so training "
+                f"cannot go on; set {STEP_FENCE_ENV}=1 or keep a checkpoint."
+            )
         raise SpoiledStateError(
             f"step {loop.step - 1} was applied on an NCCL collective that an abort cut short "
             f"({STEP_FENCE_ENV}=0), no rank holds a sound state and no checkpoint is "
@@ -541,7 +566,7 @@ class InPlaceController:
         world = self.world
         if world is not None:
             nodes = [n for n in world.nodes() if n != self.link.node]
-            self.link.send("suspect", nodes=nodes)
+            self.link.send(Suspect(tuple(nodes)))
         return self.link.wait(lambda _l: bool(self._peers_lost(world)) or
                               (guard is not None and guard.aborted),
                               _EVIDENCE_TIMEOUT_S)
@@ -562,7 +587,7 @@ class InPlaceController:
             return True
         world = self.world
         if world is not None:
-            self.link.send("suspect", nodes=[n for n in world.nodes() if n != self.link.node])
+            self.link.send(Suspect(tuple(n for n in world.nodes() if n != self.link.node)))
         return False
 
     def abandon(self, exc: BaseException, step: int) -> None:
@@ -623,17 +648,36 @@ class InPlaceController:
         return self.link.lease_ok and self.link.evicted is None and (
             guard is None or not guard.aborted)
 
-    def before_optimizer_step(self) -> None:
+    def before_optimizer_step(self, optimizer: Any = None,
+                              snapshot: Callable[[], Any] | None = None) -> None:
         """Refuses to apply a step whose world was aborted (NCCL; see
-        :mod:`~elastic.inplace.step_fence`: by default the host waits for the step's
-        collectives first). gloo's collectives fail in the aborted call itself: nothing to do.
+        :mod:`~elastic.inplace.step_fence`: the step is gated on the device, or the host
+        waits for its collectives first). gloo's collectives fail in the aborted call
+        itself: nothing to do.
+
+        Args:
+            optimizer: The optimizer about to step.
+            snapshot: Returns the loop's host state at the start of the step (the device
+                gate rewinds to it if the device skips the step).
 
         Raises:
             WorldAbortedError: If the world was aborted.
         """
         guard = self._guard
         if guard is not None and self.fence is not None:
-            self.fence.before_optimizer_step(guard)
+            self.fence.before_optimizer_step(guard, optimizer, snapshot)
+
+    def after_optimizer_step(self, optimizer: Any) -> None:
+        """The optimizer stepped: the device gate gives it back its own ``found_inf``."""
+        if self.fence is not None:
+            self.fence.after_optimizer_step(optimizer)
+
+    def _rewind(self, loop: ElasticLoop) -> None:
+        """Device gate: rewinds the loop's host state to the first step the device skipped
+        when the last world was dropped (its bookkeeping ran ahead of the device)."""
+        point = self.fence.rewind_point() if self.fence is not None else None
+        if point is not None:
+            loop.rewind(point)
 
     def check_agreement(self) -> None:
         """The step agreement's flags were just read: with NCCL and no per-step wait, they
@@ -646,24 +690,32 @@ class InPlaceController:
         if guard is not None and self.fence is not None and not self.fence.wait:
             guard.check()
 
-    def before_save(self) -> None:
+    def before_save(self) -> Callable[[], None] | None:
         """State is about to be staged for a checkpoint: with NCCL and no per-step wait,
-        waits for the stream and refuses a state of an aborted world.
+        refuses a state of an aborted world (checking later: waits for the stream now).
+
+        Returns:
+            A check to run once the state's copy is complete (the device gate), or ``None``.
 
         Raises:
             WorldAbortedError: If the world was aborted.
         """
         guard = self._guard
         if guard is not None and self.fence is not None:
-            self.fence.before_save(guard)
+            return self.fence.before_save(guard)
+        return None
 
     def check_config(self, loop: ElasticLoop) -> None:
         """Refuses settings that cannot work together (called when the loop is built).
 
         Raises:
-            ConfigError: ``ELASTIC_NCCL_STEP_FENCE=0`` without a checkpoint.
+            ConfigError: ``ELASTIC_NCCL_STEP_FENCE=0`` without a checkpoint, or ``device``
+                where the loop's steps cannot be gated on the device.
         """
-        if self.fence is not None and not self.fence.wait and loop.checkpoint is None:
+        if self.fence is not None:
+            self.fence.configure(loop.step_gate_blocker())
+        if (self.fence is not None and self.fence.mode is FenceMode.LATER
+                and loop.checkpoint is None):
             raise ConfigError(
                 f"{STEP_FENCE_ENV}=0 rolls survivors back to the last checkpoint when a step's "
                 "collective is aborted, but this ElasticLoop keeps none; pass checkpoint= or "
@@ -690,7 +742,7 @@ class InPlaceController:
                                "the job's (this node's lease is not fresh): not ending the job",
                                step, self.world.epoch)
                 raise SystemExit(1)
-            self.link.send("finished", step=step)
+            self.link.send(Finished(step))
         self.link.close()
 
 

@@ -17,14 +17,19 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_map
 
 __all__ = ["AbandonedOutput", "abandoned_output"]
 
 
 def _plain(value: Any) -> Any:
+    """``value`` with every :class:`AbandonedOutput` in it replaced by a plain NaN scalar
+    (so the operation runs on plain tensors, without dispatching back here)."""
     if isinstance(value, AbandonedOutput):
-        return value.as_subclass(torch.Tensor)
+        return torch.tensor(float("nan"))
+    if isinstance(value, tuple | list):
+        return type(value)(_plain(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
     return value
 
 
@@ -34,14 +39,13 @@ class AbandonedOutput(torch.Tensor):
     @classmethod
     def __torch_function__(cls, func: Callable[..., Any], types: Any, args: Any = (),
                            kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        with torch._C.DisableTorchFunctionSubclass(), warnings.catch_warnings():
+        with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # broadcasting a scalar against the targets
             try:
-                result = func(*tree_map(_plain, args), **tree_map(_plain, kwargs))
+                result = func(*_plain(tuple(args)), **_plain(dict(kwargs or {})))
             except Exception:
                 return abandoned_output()
-        if isinstance(result, torch.Tensor) and not isinstance(result, AbandonedOutput):
+        if type(result) is torch.Tensor:
             return result.as_subclass(AbandonedOutput)
         return result
 

@@ -92,8 +92,11 @@ class ShardedWay:
     def _hook_optimizer(self, optimizer: Any) -> None:
         controller = self._inplace
         if controller is not None:
-            # NCCL: a step of an aborted world must never be applied (see the controller).
-            optimizer.register_step_pre_hook(lambda *_a: controller.before_optimizer_step())
+            # NCCL: a step of an aborted world must never be applied (see the controller; a
+            # sharded loop's steps are not gated on the device: the host waits for them).
+            optimizer.register_step_pre_hook(
+                lambda o, *_a: controller.before_optimizer_step(o, None))
+            optimizer.register_step_post_hook(lambda o, *_a: controller.after_optimizer_step(o))
         copies = self._copies
         if copies is not None:
             # No rank's state moves past a refresh before its copies are whole everywhere.
@@ -104,12 +107,20 @@ class ShardedWay:
         controller = self._inplace
         if controller is None:
             return make_mesh(device_type, world_size, replicate)
-        from elastic.inplace.sockets import socket_inodes
+        from torch_private import socket_inodes
 
         before = socket_inodes()
         mesh = make_mesh(device_type, world_size, replicate)
         controller.adopt_groups(before, *mesh.get_all_groups())
         return mesh
+
+    def step_gate_blocker(self) -> str | None:
+        """See :meth:`~elastic.loop.rewind.StepRewind.step_gate_blocker`: a sharded loop's
+        optimizer is rebuilt on every world, so its steps are not gated on the device."""
+        if self._sharded is not None:
+            return "a sharded model's optimizer is rebuilt on every world"
+        blocker: str | None = super().step_gate_blocker()  # type: ignore[misc]
+        return blocker
 
     # -- the current world's model ----------------------------------------------------------
 
@@ -210,7 +221,7 @@ class ShardedWay:
                              index=built.index, local_workers=1)
             return
         holders = copy_holders(nodes)
-        from elastic.inplace.sockets import socket_inodes
+        from torch_private import socket_inodes
 
         before = socket_inodes()
         timeout = controller.train_timeout or controller.build_timeout or \

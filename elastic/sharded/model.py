@@ -38,6 +38,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
+import torch_private
 from elastic.sharded.plan import hsdp_replicas, shard_range
 from elastic_errors import ConfigError
 
@@ -62,30 +63,14 @@ def meta_copy(module: nn.Module) -> nn.Module:
 
 
 def forget_old_meshes() -> None:
-    """Clears torch's DTensor sharding-propagation caches before a new world's mesh is used.
-
-    torch compares device meshes by value (ranks, layout, device type, names), so a mesh of a
-    new world equals one of an earlier world of the same size, and the cached result of an
-    operation on the old one (its output's spec, with the *old* mesh object) would be reused:
-    tensors of the new world would carry a mesh whose coordinate is this process's rank in
-    the old world, and a checkpoint's shard offsets would be wrong. Within one process torch
-    assumes a rank never changes; in place it does. Uses the private
-    ``DTensor._op_dispatcher.sharding_propagator`` caches and
-    ``torch._C._clear_DTensor_sharding_propagator_cache`` (pinned in
-    ``tests/unit/test_torch_private_apis.py``).
-    """
-    propagator = getattr(getattr(DTensor, "_op_dispatcher", None), "sharding_propagator", None)
-    clears = {name: getattr(getattr(propagator, name, None), "cache_clear", None)
-              for name in ("propagate_op_sharding", "_propagate_tensor_meta_cached")}
-    # The C++ dispatch fast path keeps a cache of its own.
-    clears["C++ fast path"] = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache",
-                                      None)
-    for name, clear in clears.items():
-        if clear is None:
-            logger.warning("torch has no %s cache to clear: DTensor operations of a new world "
-                           "may reuse an old world's mesh", name)
-        else:
-            clear()
+    """Clears torch's DTensor caches before a new world's mesh is used
+    (:func:`torch_private.clear_dtensor_caches`: an equal mesh of an earlier world would
+    otherwise be handed to the new world's tensors, with this process's old coordinate, and
+    a checkpoint's shard offsets would be wrong)."""
+    missing = torch_private.clear_dtensor_caches()
+    if missing:
+        logger.warning("torch has no %s to clear: DTensor operations of a new world may "
+                       "reuse an old world's mesh", ", ".join(missing))
 
 
 def make_mesh(device_type: str, world_size: int, replicate: int) -> DeviceMesh:

@@ -10,22 +10,17 @@ from pathlib import Path
 import pytest
 
 from tests.integration.launcher_scripts.harness import FAST_RDZV_CONF, cluster, wait_until
+from tests.support.etcd_required import etcd_binary
 
 pytestmark = [pytest.mark.etcd, pytest.mark.slow]
-pytest.importorskip("elastic.rendezvous", reason="elastic.rendezvous has not landed yet")
-pytest.importorskip("launch.etcd_server", reason="launch.etcd_server has not landed yet")
 
 
 @pytest.fixture
 def own_etcd(tmp_path: Path) -> Iterator[object]:
     """An etcd of this test alone (it gets killed), with a data dir that survives restarts."""
-    from launch.etcd_server import EmbeddedEtcd, find_etcd_binary
+    from launch.etcd_server import EmbeddedEtcd
 
-    try:
-        binary = find_etcd_binary()
-    except FileNotFoundError as exc:
-        pytest.skip(str(exc))
-    server = EmbeddedEtcd(binary=binary, data_dir=str(tmp_path / "etcd-data"))
+    server = EmbeddedEtcd(binary=etcd_binary(), data_dir=str(tmp_path / "etcd-data"))
     server.start()
     try:
         yield server
@@ -113,12 +108,9 @@ def test_an_inplace_job_whose_workers_train_on_stops_too_past_the_deadline(
 def test_a_three_member_etcd_cluster_loses_a_member_with_no_visible_effect(
     tmp_path: Path,
 ) -> None:
-    from launch.etcd_server import EmbeddedEtcdCluster, find_etcd_binary
+    from launch.etcd_server import EmbeddedEtcdCluster
 
-    try:
-        binary = find_etcd_binary()
-    except FileNotFoundError as exc:
-        pytest.skip(str(exc))
+    binary = etcd_binary()
     stop = tmp_path / "stop"
     with EmbeddedEtcdCluster(3, binary=binary) as etcd, \
             cluster(tmp_path, etcd.endpoints, f"quorum-{uuid.uuid4().hex[:8]}") as c:

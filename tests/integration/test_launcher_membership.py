@@ -18,7 +18,6 @@ from tests.integration.launcher_scripts.harness import (
 )
 
 pytestmark = [pytest.mark.etcd, pytest.mark.slow]
-pytest.importorskip("elastic.rendezvous", reason="elastic.rendezvous has not landed yet")
 
 
 @pytest.fixture

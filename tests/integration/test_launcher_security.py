@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from elastic.etcd import EtcdConfig
+from membership.etcd import EtcdConfig
 from tests.integration.launcher_scripts.harness import (
     REPO,
     WORKER,
@@ -34,7 +34,6 @@ from tests.integration.launcher_scripts.status_cli import run_status
 from tests.integration.training.example_job import ExampleJob
 
 pytestmark = [pytest.mark.etcd, pytest.mark.slow]
-pytest.importorskip("elastic.rendezvous", reason="elastic.rendezvous has not landed yet")
 
 _ENV_KEYS = ("ELASTIC_ETCD_CA_CERT", "ELASTIC_ETCD_CERT", "ELASTIC_ETCD_KEY",
              "ELASTIC_ETCD_USERNAME", "ELASTIC_ETCD_PASSWORD", "ELASTIC_ETCD_ENDPOINTS")

@@ -10,8 +10,6 @@ import pytest
 from tests.integration.launcher_scripts.harness import REPO, cluster
 
 pytestmark = [pytest.mark.etcd, pytest.mark.slow]
-pytest.importorskip("elastic.rendezvous", reason="elastic.rendezvous has not landed yet")
-pytest.importorskip("launch.etcd_server", reason="launch.etcd_server has not landed yet")
 
 EXAMPLE = REPO / "examples" / "train.py"
 
@@ -25,7 +23,6 @@ def test_standalone_runs_two_workers_to_completion(tmp_path: Path) -> None:
         assert "Standalone etcd at 127.0.0.1:" in agent.output()
 
 
-@pytest.mark.skipif(not EXAMPLE.exists(), reason="examples/train.py is not written yet")
 def test_demo_command_trains_the_example_to_completion(tmp_path: Path) -> None:
     # The README's command, run from a directory of its own: the example checkpoints to
     # runs/<job id> under the working directory, as a fresh clone's would (a standalone job

@@ -12,7 +12,6 @@ import pytest
 from tests.integration.launcher_scripts.harness import FAST_RDZV_CONF, cluster, etcd_or_skip
 
 pytestmark = [pytest.mark.etcd, pytest.mark.slow]
-pytest.importorskip("elastic.rendezvous", reason="elastic.rendezvous has not landed yet")
 
 
 @pytest.fixture

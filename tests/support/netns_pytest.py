@@ -22,7 +22,7 @@ from typing import Any, Final
 
 import pytest
 
-from elastic import env
+from tests.support.etcd_required import etcd_required
 from tests.support.netns import NetnsCluster, netns_unavailable
 
 #: Set to 1 (CI does) to fail instead of skipping where namespaces cannot run.
@@ -43,14 +43,9 @@ def require_netns() -> None:
 def new_cluster(**kwargs: Any) -> NetnsCluster:
     """A :class:`NetnsCluster` (not started yet); skips or fails like ``etcd_server`` when
     etcd members are asked for and no etcd is installed."""
-    from launch.etcd_server import EtcdBinaryNotFoundError
-
-    try:
+    with etcd_required():
         return NetnsCluster(**kwargs)
-    except EtcdBinaryNotFoundError as exc:
-        if os.environ.get(env.REQUIRE_ETCD) == "1":
-            pytest.fail(str(exc))
-        pytest.skip(str(exc))
+    raise AssertionError("unreachable: etcd_required skips or fails")
 
 
 @pytest.fixture

@@ -14,10 +14,11 @@ import pytest
 from torch.distributed import DistStoreError, PrefixStore
 
 from elastic.errors import ConfigError, EtcdUnavailableError
-from elastic.etcd import EtcdClient, EtcdConfig, Lease, keep_alive_period, parse_endpoints
-from elastic.store import EtcdV3Store
 from launch.etcd_server import EmbeddedEtcd, EtcdBinaryNotFoundError, find_etcd_binary
-from launch.silent_peers import lease_unrefreshed
+from membership.etcd import EtcdClient, EtcdConfig, Lease, keep_alive_period, parse_endpoints
+from membership.silent_peers import lease_unrefreshed
+from membership.store import EtcdV3Store
+from tests.support.etcd_required import etcd_binary
 
 pytestmark = pytest.mark.etcd
 
@@ -96,8 +97,14 @@ def test_missing_binary_error_says_how_to_install_one(monkeypatch: pytest.Monkey
         find_etcd_binary()
 
 
-def test_client_recovers_after_etcd_is_killed_and_restarted(tmp_path: Any) -> None:
-    with EmbeddedEtcd(data_dir=str(tmp_path / "data")) as server:
+@pytest.fixture
+def binary() -> str:
+    """The etcd binary for tests that start (and kill) an etcd of their own."""
+    return etcd_binary()
+
+
+def test_client_recovers_after_etcd_is_killed_and_restarted(tmp_path: Any, binary: str) -> None:
+    with EmbeddedEtcd(binary=binary, data_dir=str(tmp_path / "data")) as server:
         client = _client(server.endpoint, deadline=20)
         client.put("/k", b"before")
         server.kill()
@@ -107,8 +114,8 @@ def test_client_recovers_after_etcd_is_killed_and_restarted(tmp_path: Any) -> No
         assert client.get("/k") is not None and client.get("/k").value == b"before"  # type: ignore[union-attr]
 
 
-def test_a_stopped_etcd_makes_calls_time_out_instead_of_hanging(tmp_path: Any) -> None:
-    with EmbeddedEtcd() as server:
+def test_a_stopped_etcd_makes_calls_time_out_instead_of_hanging(binary: str) -> None:
+    with EmbeddedEtcd(binary=binary) as server:
         assert server.pid is not None
         os.kill(server.pid, signal.SIGSTOP)
         try:
@@ -130,8 +137,9 @@ def test_client_fails_over_to_the_next_endpoint(etcd_server: Any) -> None:
     assert client.get("/failover") is not None
 
 
-def test_a_failed_watch_resumes_once_etcd_answers_and_reports_what_changed(tmp_path: Any) -> None:
-    with EmbeddedEtcd(data_dir=str(tmp_path / "data")) as server:
+def test_a_failed_watch_resumes_once_etcd_answers_and_reports_what_changed(
+        tmp_path: Any, binary: str) -> None:
+    with EmbeddedEtcd(binary=binary, data_dir=str(tmp_path / "data")) as server:
         writer = _client(server.endpoint, deadline=20)
         writer.put("/w/gone", b"1")
         writer.put("/w/kept", b"1")
@@ -162,7 +170,7 @@ def test_a_failed_watch_resumes_once_etcd_answers_and_reports_what_changed(tmp_p
 def test_a_lease_reads_as_unrefreshed_only_once_a_keep_alive_period_has_passed(
     client: EtcdClient,
 ) -> None:
-    # The silent-peer check's etcd half (launch.silent_peers): a lease refreshed within the
+    # The silent-peer check's etcd half (membership.silent_peers): a lease refreshed within the
     # last keep-alive period is fresh; one left alone for longer is not; a revoked one is gone.
     lease_id = client.grant_lease(3)
     assert client.lease_time_to_live(lease_id)[1] == 3

@@ -16,10 +16,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import pytest
 import requests
 
-from elastic.etcd import b64, prefix_range_end
+from membership.etcd import b64, prefix_range_end
+from tests.support.etcd_required import etcd_required
 
 _ONE_DAY = datetime.timedelta(days=1)
 
@@ -48,7 +48,6 @@ def _write(path: Path, data: bytes) -> Path:
 
 def make_pki(directory: Path) -> Pki:
     """Generate a CA, a server certificate for 127.0.0.1, a client certificate and a stray CA."""
-    pytest.importorskip("cryptography", reason="cryptography generates the test certificates")
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import ec
@@ -222,16 +221,14 @@ def secure_etcd(tmp: Path, *, prefixes: Sequence[str], user: str = "trainer",
         password: the job user's password (distinctive, so tests can search logs for it).
         extra_args: further etcd flags.
     """
-    from launch.etcd_server import EmbeddedEtcd, EtcdBinaryNotFoundError, ServerTls
+    from launch.etcd_server import EmbeddedEtcd, ServerTls
 
     pki = make_pki(tmp)
-    try:
+    with etcd_required():
         server = EmbeddedEtcd(tls=ServerTls(cert_file=str(pki.server_cert),
                                             key_file=str(pki.server_key),
                                             trusted_ca_file=str(pki.ca)),
                               extra_args=extra_args)
-    except EtcdBinaryNotFoundError as exc:
-        pytest.skip(str(exc))
     server.start()
     try:
         etcd = SecureEtcd(server=server, pki=pki, root_password="root-Lk3pW8sN", user=user,

@@ -9,14 +9,13 @@ import shlex
 from pathlib import Path
 from typing import Any
 
+import kubernetes_validate
 import pytest
 import tomllib
 import yaml
 
 from elastic import env
 from tests.unit.deploy.kustomize_lite import load_documents, render
-
-kubernetes_validate = pytest.importorskip("kubernetes_validate")
 
 ROOT = Path(__file__).resolve().parents[3]
 DEPLOY = ROOT / "deploy"
@@ -113,7 +112,6 @@ def test_s3_overlay_takes_keys_from_a_secret_and_minio_adds_its_endpoint() -> No
 
 
 def _pytorchjob_model() -> Any:
-    pytest.importorskip("kubeflow.training")
     from kubeflow.training.api_client import ApiClient
 
     class _Response:
@@ -155,9 +153,8 @@ def _expand(arg: str, values: dict[str, str]) -> str:
 def test_manifest_command_line_parses_with_elastic_runs_own_parser(
     name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    cli = pytest.importorskip("launch.cli")
-    if not hasattr(cli, "parse_args"):
-        pytest.skip("launch.cli.parse_args(argv) has not landed yet")
+    from launch import cli
+
     for key in list(os.environ):
         if key.startswith(("PET_", "ELASTIC_")):
             monkeypatch.delenv(key)
@@ -287,7 +284,8 @@ def _installed_packages() -> list[str]:
 
 @pytest.mark.parametrize("name", ["Dockerfile", "Dockerfile.cpu"])
 def test_dockerfile_parses_and_copies_only_what_the_repository_has(name: str) -> None:
-    dockerfile_parse = pytest.importorskip("dockerfile_parse")
+    import dockerfile_parse
+
     with open(DEPLOY / "docker" / name, "rb") as fileobj:
         instructions = dockerfile_parse.DockerfileParser(fileobj=fileobj).structure
     assert instructions, "empty Dockerfile"

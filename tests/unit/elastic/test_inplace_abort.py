@@ -20,8 +20,9 @@ import torch
 import torch.distributed as dist
 
 from elastic.failures import is_peer_failure_type as is_peer_failure
-from elastic.inplace.abort import WorldAbort, WorldAbortedError, accelerator_backends
+from elastic.inplace.abort import WorldAbort, WorldAbortedError
 from elastic.process_group import NCCL_ASYNC_ERROR_HANDLING_ENV, set_nccl_error_handling
+from torch_private import accelerator_backends
 
 _ABORT_AFTER_S = 0.5
 
@@ -399,7 +400,7 @@ def test_a_worlds_nccl_groups_get_the_error_handling_of_the_elastic_mode(
 
 def _member_of_a_group_built_after_the_world(rank: int, port: int, out: str) -> None:
     from elastic.inplace.groups import abort_groups
-    from elastic.inplace.sockets import socket_inodes
+    from torch_private import socket_inodes
 
     result: dict[str, Any] = {"rank": rank}
     world_abort = _build(port, "e1/", rank, 3)
