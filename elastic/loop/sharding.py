@@ -30,6 +30,7 @@ from elastic.sharded.model import (
 from elastic.sharded.plan import copy_holders, hsdp_replicas
 from elastic.sharded.reshard import reshard_heal
 from elastic_errors import ConfigError
+from torch_private import socket_inodes
 
 if TYPE_CHECKING:
     from elastic.context import ElasticContext
@@ -107,8 +108,6 @@ class ShardedWay:
         controller = self._inplace
         if controller is None:
             return make_mesh(device_type, world_size, replicate)
-        from torch_private import socket_inodes
-
         before = socket_inodes()
         mesh = make_mesh(device_type, world_size, replicate)
         controller.adopt_groups(before, *mesh.get_all_groups())
@@ -221,8 +220,6 @@ class ShardedWay:
                              index=built.index, local_workers=1)
             return
         holders = copy_holders(nodes)
-        from torch_private import socket_inodes
-
         before = socket_inodes()
         timeout = controller.train_timeout or controller.build_timeout or \
             _DEFAULT_GROUP_TIMEOUT
