@@ -396,3 +396,46 @@ def test_a_worlds_nccl_groups_get_the_error_handling_of_the_elastic_mode(
         groups.build_groups("nccl", store=dist.HashStore(), epoch=1, rank=0, world_size=1,
                             device=torch.device("cpu"), timeout=timedelta(seconds=5))
     assert seen == [expected]
+
+
+def _member_of_a_group_built_after_the_world(rank: int, port: int, out: str) -> None:
+    from elastic.inplace.groups import abort_groups
+    from torch_private import socket_inodes
+
+    result: dict[str, Any] = {"rank": rank}
+    world_abort = _build(port, "e1/", rank, 3)
+    before = socket_inodes()
+    later = dist.new_group(backend="gloo", timeout=timedelta(seconds=60))  # a mesh's, say
+    world_abort.adopt(before, later)
+    dist.all_reduce(torch.ones(4), group=later)  # all three are in it
+    if rank == 2:
+        time.sleep(60)  # silent: alive, connected, never in the collective again
+        return
+    times: dict[str, float] = {}
+    _abort_later(world_abort, times, "rank 2 is gone")
+    try:
+        dist.all_reduce(torch.ones(1 << 16), group=later)
+        result["raised"] = None
+    except RuntimeError as exc:
+        result["raised"] = f"{type(exc).__name__}: {exc}"[:300]
+    result["raised_after_abort_s"] = time.monotonic() - times["abort"]
+    abort_groups(world_abort)
+    try:
+        world_abort.adopt(socket_inodes())
+        result["adopt_refused"] = False
+    except WorldAbortedError:
+        result["adopt_refused"] = True
+    Path(out, f"rank{rank}.json").write_text(json.dumps(result))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_groups_adopted_after_the_build_are_aborted_with_the_world(tmp_path: Path) -> None:
+    server = _store_server()
+    _spawn(_member_of_a_group_built_after_the_world,
+           [(rank, server.port, str(tmp_path)) for rank in range(3)], 90, tmp_path, 2)
+    for rank in (0, 1):
+        result = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert result["raised"] is not None, f"rank {rank}'s all_reduce did not fail"
+        assert result["raised_after_abort_s"] < 2.0, result
+        assert result["adopt_refused"], result
