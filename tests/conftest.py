@@ -16,6 +16,9 @@ from tests.support.netns_pytest import netns_cluster, netns_cluster_factory  # n
 # Under CI=true a skipped test (other than a GPU test) fails the run: see the module.
 from tests.support.no_silent_skips import pytest_configure  # noqa: F401
 
+# The contract mixins' asserts live outside test modules: have pytest explain them too.
+pytest.register_assert_rewrite("tests.contracts")
+
 
 @pytest.fixture(scope="session")
 def etcd_server() -> Iterator[object]:

@@ -1,5 +1,6 @@
-"""The etcd client and store against a real etcd server on loopback (the membership protocol
-has its own: test_rdzv_protocol.py)."""
+"""The etcd client against a real etcd server on loopback: failures, restarts, leases (the
+client's and the store's contracts are in test_contracts.py, the membership protocol's tests in
+test_rdzv_protocol.py)."""
 
 from __future__ import annotations
 
@@ -11,11 +12,9 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
-from torch.distributed import DistStoreError, PrefixStore
 
 from elastic.errors import ConfigError, EtcdUnavailableError
 from elastic.etcd import EtcdClient, EtcdConfig, Lease, keep_alive_period, parse_endpoints
-from elastic.store import EtcdV3Store
 from launch.etcd_server import EmbeddedEtcd, EtcdBinaryNotFoundError, find_etcd_binary
 from launch.silent_peers import lease_unrefreshed
 from tests.support.etcd_required import etcd_binary
@@ -33,37 +32,6 @@ def _client(endpoint: str, deadline: float = 5.0) -> EtcdClient:
 @pytest.fixture
 def client(etcd_server: Any) -> EtcdClient:
     return _client(etcd_server.endpoint)
-
-
-def test_store_blocks_until_a_key_is_set_and_times_out_otherwise(
-    client: EtcdClient, etcd_prefix: str
-) -> None:
-    store = EtcdV3Store(client, etcd_prefix + "/store", timedelta(seconds=1))
-    prefixed = PrefixStore("round0", store)
-    prefixed.set("a", b"1")
-    assert prefixed.get("a") == b"1"
-    assert prefixed.multi_get(["a"]) == [b"1"]
-    assert store.add("counter", 2) == 2 and store.add("counter", 3) == 5
-    assert store.compare_set("cas", "", "x") == b"x"
-    assert store.compare_set("cas", "wrong", "y") == b"x"
-    assert store.compare_set("cas", "x", "y") == b"y"
-    assert store.check(["counter"]) and not store.check(["absent"])
-    assert store.delete_key("counter") and not store.check(["counter"])
-    with pytest.raises(DistStoreError, match=r"waiting for store keys \['absent'\]"):
-        store.get("absent")
-
-
-def test_store_add_is_atomic_under_concurrency(client: EtcdClient, etcd_prefix: str) -> None:
-    import threading
-
-    store = EtcdV3Store(client, etcd_prefix + "/store")
-    threads = [threading.Thread(target=lambda: [store.add("n", 1) for _ in range(10)])
-               for _ in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
-    assert store.get("n") == b"40"
 
 
 def test_lease_keys_vanish_when_the_lease_is_revoked(client: EtcdClient, etcd_prefix: str) -> None:
