@@ -117,6 +117,26 @@ class EtcdClientContract:
         with pytest.raises(EtcdUnavailableError, match="duplicate key given in txn request"):
             etcd.cas(f"{prefix}/d/k", b"x", None, delete_range=(f"{prefix}/d/", f"{prefix}/d0"))
 
+    def test_a_fenced_cas_writes_only_while_the_fence_key_is_the_same_incarnation(
+        self, etcd: Any, prefix: str
+    ) -> None:
+        leader, world = f"{prefix}/leader", f"{prefix}/world"
+        lease = etcd.grant_lease(30)
+        won, term = etcd.cas(leader, b"a", None, lease=lease)
+        assert won and term is not None
+        won, kv = etcd.cas(world, b"1", None, fence=(leader, term.create_revision))
+        assert won and kv is not None and kv.value == b"1"
+        etcd.revoke_lease(lease)  # the term ends with its lease
+        lost, current = etcd.cas(world, b"stale", kv.mod_revision,
+                                 fence=(leader, term.create_revision))
+        assert not lost and current == kv  # the world compare alone would have held
+        # A new election of the same name is a new term: the old one's fence fails.
+        assert etcd.create(leader, b"a")
+        lost, current = etcd.cas(world, b"stale", kv.mod_revision,
+                                 fence=(leader, term.create_revision))
+        assert not lost and current == kv
+        assert etcd.get(world).value == b"1"
+
     def test_delete_counts_what_it_removed(self, etcd: Any, prefix: str) -> None:
         etcd.put(f"{prefix}/d/1", b"1")
         etcd.put(f"{prefix}/d/2", b"2")

@@ -256,7 +256,7 @@ class FakeEtcd:
 
     def cas(
         self, key: str, value: bytes, expected_mod_revision: int | None, *, lease: int = 0,
-        delete_range: tuple[str, str] | None = None,
+        delete_range: tuple[str, str] | None = None, fence: tuple[str, int] | None = None,
     ) -> tuple[bool, KeyValue | None]:
         with self._lock:
             self._enter("cas")
@@ -265,6 +265,9 @@ class FakeEtcd:
                 ok = current is None
             else:
                 ok = current is not None and current.mod_revision == expected_mod_revision
+            if fence is not None:
+                fenced = self._kv.get(fence[0])
+                ok = ok and fenced is not None and fenced.create_revision == fence[1]
             if not ok:
                 self.cas_conflicts += 1
                 return False, current

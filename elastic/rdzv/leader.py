@@ -24,6 +24,12 @@ it by compare-and-swap on the world key's revision:
 
 A CAS the leader loses (a deposed leader, a duplicate after a retry) costs nothing: the watch
 brings the winner's world and the loop decides again from it.
+
+Every world write is also fenced by the writer's term: the same transaction compares the
+leader key's create revision with the one this node's election created. A leader frozen past
+its lease (a stopped process, a long pause) and then resumed would otherwise send the write it
+had decided before it froze; while the next leader has nothing to write, the world key's
+revision still matches, and that stale world (a node that left since, say) would be written.
 """
 
 from __future__ import annotations
@@ -118,6 +124,9 @@ class LeaderLoop:
         #: and deciding from the older one would write a duplicate that can only fail.
         self._written: WorldRecord | None = None
         self._evicting: tuple[str, ...] = ()
+        #: The create revision of the leader key this node's election wrote: its term, which
+        #: every world write is fenced by (``None`` while not leading).
+        self._term: int | None = None
         #: (epoch, when) of the first failed build reported for the current world.
         self._rebuild_since: tuple[int, float] | None = None
         #: Worker incarnations evicted by the progress rule: never admitted again (their agent
@@ -174,7 +183,10 @@ class LeaderLoop:
         current = self._view.leader()
         if current == me and lease is not None and not lease.lost.is_set():
             if not self.leading:
-                self._become_leader()
+                kv = self._view.leader_kv()
+                if kv is None:
+                    return False
+                self._become_leader(kv.create_revision)
             return True
         if self.leading:
             self._abdicate()
@@ -183,15 +195,16 @@ class LeaderLoop:
         self.stats.election_attempts += 1
         # A leader key that names no leader (foreign or damaged) is replaced, by revision.
         invalid = self._view.leader_kv()
-        won, _ = self._client.cas(self._keys.leader, me.encode(),
-                                  invalid.mod_revision if invalid is not None else None,
-                                  lease=lease.id)
-        if won:
-            self._become_leader()
+        won, elected = self._client.cas(self._keys.leader, me.encode(),
+                                        invalid.mod_revision if invalid is not None else None,
+                                        lease=lease.id)
+        if won and elected is not None:
+            self._become_leader(elected.create_revision)
         return won
 
-    def _become_leader(self) -> None:
+    def _become_leader(self, term: int) -> None:
         self.leading = True
+        self._term = term
         self._pending = None
         self._written = None
         self._nodes = self._client.watch_prefix(self._keys.nodes, on_change=self._on_nodes)
@@ -202,6 +215,7 @@ class LeaderLoop:
             self._nodes.cancel()
             self._nodes = None
         self.leading = False
+        self._term = None
 
     def _on_nodes(self, events: Sequence[WatchEvent]) -> None:
         self._wake.set()
@@ -386,7 +400,8 @@ class LeaderLoop:
                                                           self.node_records()))
         self.stats.cas_attempts += 1
         written, after = self._client.cas(
-            self._keys.world, proposal.dumps(), current.revision if current else None)
+            self._keys.world, proposal.dumps(), current.revision if current else None,
+            fence=self._fence())
         self._pending = None
         if written and after is not None:
             self._written = proposal.with_changes(revision=after.mod_revision)
@@ -396,6 +411,11 @@ class LeaderLoop:
             logger.info("world epoch %d (%s): %d worker(s) on %d node(s): %s", proposal.epoch,
                         proposal.mode, proposal.world_size, len(proposal.members),
                         ",".join(proposal.nodes()))
+
+    def _fence(self) -> tuple[str, int]:
+        """The world write's fence: this leader's term (see the module docstring)."""
+        assert self._term is not None, "a world write outside a term"
+        return self._keys.leader, self._term
 
     def _replace_invalid_world(self, nodes: Sequence[NodeRecord]) -> None:
         """The world key holds something that is not a world record: overwrite it.
@@ -414,7 +434,8 @@ class LeaderLoop:
         replacement = WorldRecord(kv.mod_revision, proposal.members, proposal.store,
                                   proposal.mode)
         self.stats.cas_attempts += 1
-        written, _ = self._client.cas(self._keys.world, replacement.dumps(), kv.mod_revision)
+        written, _ = self._client.cas(self._keys.world, replacement.dumps(), kv.mod_revision,
+                                      fence=self._fence())
         if written:
             self.stats.cas_won += 1
             logger.warning("replaced the invalid world record with epoch %d",
