@@ -4,6 +4,7 @@ test_rdzv_protocol.py)."""
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import socket
@@ -12,12 +13,14 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
+import requests
 
 from elastic.errors import ConfigError, EtcdUnavailableError
 from elastic.etcd import EtcdClient, EtcdConfig, Lease, keep_alive_period, parse_endpoints
 from launch.etcd_server import EmbeddedEtcd, EtcdBinaryNotFoundError, find_etcd_binary
 from launch.silent_peers import lease_unrefreshed
 from tests.support.etcd_required import etcd_binary
+from tests.support.fault_proxy import FaultProxy
 
 pytestmark = pytest.mark.etcd
 
@@ -150,3 +153,46 @@ def test_a_lease_reads_as_unrefreshed_only_once_a_keep_alive_period_has_passed(
     client.revoke_lease(lease_id)
     assert client.lease_time_to_live(lease_id)[0] == -1
     assert lease_unrefreshed(client, lease_id)
+
+
+def _compact(endpoint: str, revision: int) -> None:
+    """Compacts etcd's history up to ``revision`` (what etcd's auto-compaction does)."""
+    reply = requests.post(f"http://{endpoint}/v3/kv/compaction",
+                          json={"revision": str(revision), "physical": True}, timeout=10)
+    reply.raise_for_status()
+
+
+def test_a_watch_that_reconnects_after_a_compaction_resyncs_and_reports_what_it_missed(
+    etcd_server: Any, etcd_prefix: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    writer = _client(etcd_server.endpoint)
+    host, port = etcd_server.endpoint.rsplit(":", 1)
+    prefix = f"{etcd_prefix}/w/"
+    writer.put(prefix + "gone", b"1")
+    writer.put(prefix + "kept", b"1")
+    seen: list[tuple[str, str]] = []
+    with FaultProxy(host, int(port)) as proxy:
+        watch = _client(proxy.endpoint, deadline=30).watch_prefix(
+            prefix, on_change=lambda events: seen.extend((e.type, e.key) for e in events))
+        try:
+            # The watch's connection breaks; while it cannot reconnect, the prefix changes
+            # and etcd compacts its history past the revision the watch would resume from.
+            proxy.reset()
+            assert proxy.wait_for_fault(10)
+            writer.delete(prefix + "gone")
+            writer.put(prefix + "new", b"2")
+            revision = writer.put(f"{etcd_prefix}/elsewhere", b"x")
+            _compact(etcd_server.endpoint, revision)
+            with caplog.at_level(logging.INFO, logger="elastic._etcd_watch"):
+                proxy.heal()
+                # Resumed from a compacted revision, the watch reads a fresh snapshot and
+                # reports the difference from its mirror.
+                assert watch.wait_for(lambda m: set(m) == {prefix + "kept", prefix + "new"},
+                                      timedelta(seconds=20)), watch.items()
+            assert "fell behind compaction; resyncing" in caplog.text
+            assert not watch.failed.is_set()
+            assert ("DELETE", prefix + "gone") in seen and ("PUT", prefix + "new") in seen
+            writer.put(prefix + "later", b"3")  # and it follows again
+            assert watch.wait_for(lambda m: prefix + "later" in m, timedelta(seconds=10))
+        finally:
+            watch.cancel()
