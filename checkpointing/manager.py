@@ -57,7 +57,7 @@ from checkpointing.layout import (
 from checkpointing.remote_buffers import BufferPool
 from checkpointing.retention import plan_retention
 from checkpointing.shard_io import ShardWriter
-from checkpointing.staging import HostStager
+from checkpointing.staging import HostStager, StagedCopy
 from checkpointing.storage import STORAGE_RETRY_DEADLINE_S, Storage, is_transient
 
 logger = logging.getLogger(__name__)
@@ -93,11 +93,16 @@ class CheckpointInfo:
 
 @dataclass(frozen=True, slots=True)
 class SaveHandle:
-    """Futures of one save: ``staged`` (host copy done) and ``committed`` (durable + committed)."""
+    """Futures of one save: ``staged`` (host copy done) and ``committed`` (durable + committed).
+
+    ``copy`` is the host copy itself (``None`` from stand-ins): with ``overlap=True`` the
+    caller must :meth:`~checkpointing.staging.StagedCopy.hold` it before changing the state.
+    """
 
     step: int
     staged: Future[None]
     committed: Future[CheckpointInfo]
+    copy: StagedCopy | None = None
 
 
 def _order(name: str) -> tuple[int, int]:
@@ -285,15 +290,44 @@ class CheckpointManager:
         self._rank = dist.get_rank(process_group)
         self._world = dist.get_world_size(process_group)
 
+    def reserve(self, state: Mapping[str, Any]) -> int:
+        """Allocates the host buffers that saving ``state`` needs, on a background thread,
+        so that the first save finds them (pinning memory for a CUDA state takes about a
+        second per 2 GB). Call it once the state exists (an optimizer's state appears at its
+        first step).
+
+        Returns:
+            Bytes being allocated (0: every buffer exists).
+        """
+        return self._stager.reserve(state)
+
+    def busy(self) -> str | None:
+        """Why a :meth:`save` now would wait (``None``: it would not): the previous save is
+        still being written, or the staging buffers are still being allocated."""
+        previous = self._inflight
+        if previous is not None and not previous.committed.done():
+            return f"the save of step {previous.step} is still being written"
+        if self._stager.reserving:
+            return "the staging buffers are still being allocated"
+        return None
+
     def save(
-        self, step: int, state: Mapping[str, Any], *, metadata: Mapping[str, Any] | None = None
+        self, step: int, state: Mapping[str, Any], *, metadata: Mapping[str, Any] | None = None,
+        overlap: bool = False, after_copy: Callable[[], None] | None = None,
     ) -> SaveHandle:
-        """Checkpoint ``state`` at ``step``; returns once the state is copied to host memory.
+        """Checkpoint ``state`` at ``step``; returns once the state is copied to host memory
+        (with ``overlap``: once the copy is queued).
 
         Args:
             step: Training step (directory and commit record key).
             state: Tensors, nested dicts and ``Stateful`` objects.
             metadata: JSON-serialisable user metadata stored in the commit record.
+            overlap: Copy CUDA tensors on a side stream and return at once; the caller must
+                call ``handle.copy.hold()`` before queueing anything that writes a saved
+                tensor (:mod:`checkpointing.staging`).
+            after_copy: Called once the copy is complete, before anything is written; if it
+                raises, the save fails with that error (the step fence's check that the
+                state is the step's).
 
         Returns:
             A :class:`SaveHandle`; ``committed`` fails with :class:`CheckpointCommitError`
@@ -315,16 +349,18 @@ class CheckpointManager:
             self.last_blocked_s = 0.0
         staged: Future[None] = Future()
         committed: Future[CheckpointInfo] = Future()
-        handle = SaveHandle(step=step, staged=staged, committed=committed)
         t0 = time.monotonic()
         try:
-            host_state = self._stager.stage(state)
+            copied = self._stager.stage_async(state, overlap=overlap)
         except BaseException as exc:
             staged.set_exception(exc)
             committed.set_exception(exc)
             raise
         self.last_stage_s = time.monotonic() - t0
-        staged.set_result(None)
+        host_state = copied.host_state
+        handle = SaveHandle(step=step, staged=staged, committed=committed, copy=copied)
+        if not copied.overlapped and after_copy is None:
+            staged.set_result(None)
         self._inflight = handle
         self._inflight_dir = dir_name
         done = self._inflight_done = threading.Event()
@@ -338,8 +374,15 @@ class CheckpointManager:
 
         def persist_and_commit() -> None:
             try:
+                if not staged.done():
+                    copied.wait()  # the writer reads the buffers only once they hold the step
+                    if after_copy is not None:
+                        after_copy()
+                    staged.set_result(None)
                 info = self._persist_and_commit(step, dir_name, host_state, user_meta)
             except BaseException as exc:
+                if not staged.done():
+                    staged.set_exception(exc)
                 logger.error("checkpoint.failed step=%d: %s", step, exc, exc_info=exc)
                 causes = _root_causes(exc)
                 if len(causes) == 1 and isinstance(causes[0], CheckpointError):
@@ -671,6 +714,7 @@ class CheckpointManager:
         if self._closed:
             return
         self._closed = True
+        self._stager.join_reserve()
         if wait:
             self.wait()
         self._jobs.put(None)

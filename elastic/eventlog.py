@@ -62,13 +62,22 @@ checkpoint             step, blocked_s (time the loop waited on the save), final
                        ("commit": waiting for an earlier save's commit, not starting one)
 restored               step (where training resumes), found (a checkpoint was loaded),
                        duration_s (time spent loading it)
+checkpoint_staged      step, bytes, stage_s (the save call's staging), copy_s (its
+                       device-to-host copy), held_s (the training stream's wait for that copy),
+                       stall_s (the save call plus held_s: how long the save held training
+                       back); recorded once known, a step or more after the save
+checkpoint_deferred    step, reason (a save due while the previous one was still being written
+                       was deferred: ``save_backpressure="defer"``)
+rewound                step (where training resumes), ahead (the step the host had reached): the
+                       NCCL device gate skipped the steps in between after an abort
 checkpoint_committed   step, durable_s (save call to commit), world (the checkpoint group's ranks);
                        recorded by every rank of the group, durable on its rank 0
 checkpoint_failed      step, error (the save did not commit; the previous checkpoint stays)
 workers_started        workers (processes started), restart (false for the node's first start)
 =====================  ==========================================================================
 
-The loop's events (``step``, ``checkpoint``, ``restored``) and the checkpoint events are
+The loop's events (``step``, ``checkpoint``, ``checkpoint_staged``, ``checkpoint_deferred``,
+``rewound``, ``restored``) and the checkpoint events are
 recorded by every rank and marked durable on global rank 0 only: the job log gets each once,
 and each agent's metrics see the steps of its own workers. Without an agent (plain torchrun)
 only durable records are written.

@@ -24,6 +24,11 @@ elastic_run_recovery_seconds               histogram that change's recovery by `
                                                      detection, rendezvous, restore, total
 elastic_run_steps_redone_total             counter   ``step`` of an index completed before
 elastic_run_checkpoint_blocking_seconds    histogram ``checkpoint`` blocked_s
+elastic_run_checkpoint_stall_seconds       histogram ``checkpoint_staged`` stall_s (the save call
+                                                     plus the training stream's wait for
+                                                     its device-to-host copy)
+elastic_run_checkpoint_deferred_total      counter   ``checkpoint_deferred`` (a save due
+                                                     while the previous one was written)
 elastic_run_checkpoint_durable_seconds     histogram ``checkpoint_committed`` durable_s
 elastic_run_checkpoint_load_seconds        histogram ``restored`` duration_s (when found)
 elastic_run_checkpoint_failures_total      counter   ``checkpoint_failed``
@@ -75,7 +80,8 @@ KNOWN_EVENTS: Final = frozenset({
     "agent_started", "round_started", "worker_failed", "workers_restarted_in_place",
     "restart_refunded", "node_lost", "peer_departed", "planned_departure", "left_rendezvous",
     "job_finished", "agent_exited", "step", "peer_failed", "checkpoint", "restored",
-    "checkpoint_committed", "checkpoint_failed", "workers_started",
+    "checkpoint_committed", "checkpoint_failed", "workers_started", "checkpoint_staged",
+    "checkpoint_deferred", "rewound",
 })
 STEP_BUCKETS: Final = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
                        10.0, 30.0, 60.0)
@@ -174,6 +180,13 @@ class NodeMetrics:
         self.ckpt_blocking = histogram(
             "checkpoint_blocking_seconds", "Time the training loop waited on a save or a "
             "commit.", CHECKPOINT_BUCKETS).labels(*labels)
+        self.ckpt_stall = histogram(
+            "checkpoint_stall_seconds", "Time a save held training back: the save call plus "
+            "the training stream's wait for its device-to-host copy.",
+            CHECKPOINT_BUCKETS).labels(*labels)
+        self.ckpt_deferred = counter(
+            "checkpoint_deferred", "Saves deferred because the previous one was still being "
+            "written (save_backpressure='defer').").labels(*labels)
         self.ckpt_durable = histogram(
             "checkpoint_durable_seconds", "Save call to commit (durable and committed).",
             CHECKPOINT_BUCKETS).labels(*labels)
@@ -351,6 +364,13 @@ class NodeMetrics:
             key = ("checkpoint", label, record.get("step"), record.get("wait"))
             if blocked is not None and self._first(key):
                 self.ckpt_blocking.observe(blocked)
+        elif event == "checkpoint_staged":
+            stall = _number(record.get("stall_s"))
+            if stall is not None and self._first(("staged", label, record.get("step"))):
+                self.ckpt_stall.observe(stall)
+        elif event == "checkpoint_deferred":
+            if self._first(("deferred", label, record.get("step"))):
+                self.ckpt_deferred.inc()
         elif event == "checkpoint_committed":
             if self._first(("committed", label, record.get("step"))):
                 durable = _number(record.get("durable_s"))

@@ -32,6 +32,7 @@ import re
 import statistics
 import time
 from collections import deque
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, Final, Protocol
 
@@ -46,7 +47,12 @@ from elastic.failures import is_peer_failure_type
 from elastic.inplace.abort import WorldAbort
 from elastic.inplace.groups import abort_groups, build_groups, set_group_timeout, standby_groups
 from elastic.inplace.heal import HealResult, agree_and_heal
-from elastic.inplace.step_fence import STEP_FENCE_ENV, StepFence, step_fence_from_env
+from elastic.inplace.step_fence import (
+    STEP_FENCE_ENV,
+    FenceMode,
+    StepFence,
+    step_fence_from_env,
+)
 from elastic.process_group import ProcessGroups
 from elastic.rdzv.records import WorldRecord
 from elastic_errors import ConfigError, ElasticError, JobFatalError
@@ -64,6 +70,8 @@ class ElasticLoop(Protocol):
     def world_changed(self) -> None: ...
     def restore_from_storage(self) -> int: ...
     def settle_save(self) -> None: ...
+    def rewind(self, point: Any) -> None: ...
+    def step_gate_blocker(self) -> str | None: ...
 
 __all__ = ["InPlaceController", "SpoiledStateError", "StepRetriesExceeded", "init_inplace"]
 
@@ -141,7 +149,7 @@ class InPlaceController:
         self._guard: WorldAbort | None = None
         #: NCCL only: keeps a step of an aborted world from being applied, or notes that it
         #: was (elastic.inplace.step_fence).
-        self.fence = (StepFence(device, wait=step_fence_from_env()) if backend == "nccl"
+        self.fence = (StepFence(device, mode=step_fence_from_env()) if backend == "nccl"
                       else None)
         self._building: WorldRecord | None = None
         self._failed_at: float | None = None
@@ -425,6 +433,7 @@ class InPlaceController:
         assert self.ctx is not None
         for _ in range(_MAX_BUILDS):
             try:
+                self._rewind(loop)
                 spoiled = self.fence is not None and self.fence.spoiled
                 if spoiled:
                     logger.warning("this worker applied step(s) whose collective an abort cut "
@@ -468,6 +477,13 @@ class InPlaceController:
         if checkpoint is not None and checkpoint.latest() is not None:
             return
         where = f"in {checkpoint.storage.url}" if checkpoint is not None else "(none is kept)"
+        if self.fence is not None and self.fence.mode is FenceMode.DEVICE:
+            raise SpoiledStateError(
+                f"the stream did not finish after world {self.world.epoch if self.world else -1}"
+                " was aborted, so this worker cannot tell which steps the device skipped, no "
+                f"rank holds a sound state and no checkpoint is committed {where}, so training "
+                f"cannot go on; set {STEP_FENCE_ENV}=1 or keep a checkpoint."
+            )
         raise SpoiledStateError(
             f"step {loop.step - 1} was applied on an NCCL collective that an abort cut short "
             f"({STEP_FENCE_ENV}=0), no rank holds a sound state and no checkpoint is "
@@ -598,17 +614,36 @@ class InPlaceController:
         return self.link.lease_ok and self.link.evicted is None and (
             guard is None or not guard.aborted)
 
-    def before_optimizer_step(self) -> None:
+    def before_optimizer_step(self, optimizer: Any = None,
+                              snapshot: Callable[[], Any] | None = None) -> None:
         """Refuses to apply a step whose world was aborted (NCCL; see
-        :mod:`~elastic.inplace.step_fence`: by default the host waits for the step's
-        collectives first). gloo's collectives fail in the aborted call itself: nothing to do.
+        :mod:`~elastic.inplace.step_fence`: the step is gated on the device, or the host
+        waits for its collectives first). gloo's collectives fail in the aborted call
+        itself: nothing to do.
+
+        Args:
+            optimizer: The optimizer about to step.
+            snapshot: Returns the loop's host state at the start of the step (the device
+                gate rewinds to it if the device skips the step).
 
         Raises:
             WorldAbortedError: If the world was aborted.
         """
         guard = self._guard
         if guard is not None and self.fence is not None:
-            self.fence.before_optimizer_step(guard)
+            self.fence.before_optimizer_step(guard, optimizer, snapshot)
+
+    def after_optimizer_step(self, optimizer: Any) -> None:
+        """The optimizer stepped: the device gate gives it back its own ``found_inf``."""
+        if self.fence is not None:
+            self.fence.after_optimizer_step(optimizer)
+
+    def _rewind(self, loop: ElasticLoop) -> None:
+        """Device gate: rewinds the loop's host state to the first step the device skipped
+        when the last world was dropped (its bookkeeping ran ahead of the device)."""
+        point = self.fence.rewind_point() if self.fence is not None else None
+        if point is not None:
+            loop.rewind(point)
 
     def check_agreement(self) -> None:
         """The step agreement's flags were just read: with NCCL and no per-step wait, they
@@ -621,24 +656,32 @@ class InPlaceController:
         if guard is not None and self.fence is not None and not self.fence.wait:
             guard.check()
 
-    def before_save(self) -> None:
+    def before_save(self) -> Callable[[], None] | None:
         """State is about to be staged for a checkpoint: with NCCL and no per-step wait,
-        waits for the stream and refuses a state of an aborted world.
+        refuses a state of an aborted world (checking later: waits for the stream now).
+
+        Returns:
+            A check to run once the state's copy is complete (the device gate), or ``None``.
 
         Raises:
             WorldAbortedError: If the world was aborted.
         """
         guard = self._guard
         if guard is not None and self.fence is not None:
-            self.fence.before_save(guard)
+            return self.fence.before_save(guard)
+        return None
 
     def check_config(self, loop: ElasticLoop) -> None:
         """Refuses settings that cannot work together (called when the loop is built).
 
         Raises:
-            ConfigError: ``ELASTIC_NCCL_STEP_FENCE=0`` without a checkpoint.
+            ConfigError: ``ELASTIC_NCCL_STEP_FENCE=0`` without a checkpoint, or ``device``
+                where the loop's steps cannot be gated on the device.
         """
-        if self.fence is not None and not self.fence.wait and loop.checkpoint is None:
+        if self.fence is not None:
+            self.fence.configure(loop.step_gate_blocker())
+        if (self.fence is not None and self.fence.mode is FenceMode.LATER
+                and loop.checkpoint is None):
             raise ConfigError(
                 f"{STEP_FENCE_ENV}=0 rolls survivors back to the last checkpoint when a step's "
                 "collective is aborted, but this ElasticLoop keeps none; pass checkpoint= or "

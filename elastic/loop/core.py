@@ -69,6 +69,7 @@ from elastic.loop.managed import ManagedWay
 from elastic.loop.microbatch import MicroBatching
 from elastic.loop.replicas import ElasticModel, Replicas
 from elastic.loop.reporting import LoopReporting, tell_agent
+from elastic.loop.rewind import StepRewind
 from elastic.loop.saves import SaveSchedule
 from elastic.loop.signals import DrainSignal
 from elastic_errors import ConfigError
@@ -85,7 +86,8 @@ logger = logging.getLogger(__name__)
 #: Restart mode: the agent hears of a completed step at most this often (see end_step).
 _PROGRESS_EVERY_S = 0.5
 
-class ElasticLoop(MicroBatching, ManagedWay, InPlaceHooks, StepAgreement, LoopReporting):
+class ElasticLoop(MicroBatching, ManagedWay, InPlaceHooks, StepAgreement, LoopReporting,
+                  StepRewind):
     """Drives the steps of an elastic job (see the module docstring for both ways).
 
     Args:
@@ -108,6 +110,9 @@ class ElasticLoop(MicroBatching, ManagedWay, InPlaceHooks, StepAgreement, LoopRe
         max_steps: Optimizer steps of the whole job.
         checkpoint_interval: Save every this many steps (and at the last step and on drain).
         max_commit_lag: See :mod:`~elastic.loop.saves` (``None``: the interval).
+        save_backpressure: ``"wait"`` (bound the lost work by waiting for a write slower
+            than the interval) or ``"defer"`` (never wait for a write: a save due while the
+            previous one is still written is deferred); see :mod:`~elastic.loop.saves`.
         global_batch_size: Samples per optimizer step over all ranks (fixed for the job).
         micro_batch_size: Largest per-rank forward/backward batch (``None``: the share).
         drain_timeout: How long a SIGTERM drain waits for its final checkpoint to commit.
@@ -138,6 +143,7 @@ class ElasticLoop(MicroBatching, ManagedWay, InPlaceHooks, StepAgreement, LoopRe
         drain_timeout: timedelta = timedelta(seconds=25),
         install_signal_handler: bool = True,
         max_commit_lag: int | None = None,
+        save_backpressure: str = "wait",
     ) -> None:
         if max_steps < 0:
             raise ConfigError(f"max_steps ({max_steps}) must be non-negative.")
@@ -188,7 +194,7 @@ class ElasticLoop(MicroBatching, ManagedWay, InPlaceHooks, StepAgreement, LoopRe
         self._round = ctx.round if ctx is not None else None
         self.saves = SaveSchedule(checkpoint, interval=checkpoint_interval,
                                   max_commit_lag=max_commit_lag, drain_timeout=drain_timeout,
-                                  record=self._record)
+                                  record=self._record, backpressure=save_backpressure)
         self._drain = DrainSignal()
         self._install_signal_handler = install_signal_handler
         # In-place reconfiguration (elastic.inplace): the controller, unless elastic-run runs
@@ -200,12 +206,24 @@ class ElasticLoop(MicroBatching, ManagedWay, InPlaceHooks, StepAgreement, LoopRe
         self._inplace: Any = controller
         if checkpoint is not None and getattr(checkpoint, "events", None) is None:
             checkpoint.events = self._events
+        if managed and _only_optimizer_writes(model, user_state):
+            # The next step's forward and backward only read the saved tensors: the copy of
+            # a save may run until the optimizer step (elastic.loop.saves).
+            assert optimizer is not None
+            self.saves.hold_at_optimizer_step = True
+            optimizer.register_step_pre_hook(lambda *_args: self.saves.hold_copy())
         if controller is not None:
             if checkpoint is not None:
                 checkpoint.commit_fence = controller.may_commit
             for opt in optimizers_in(user_state.values()):
-                # NCCL: a step of an aborted world must never be applied (see the controller).
-                opt.register_step_pre_hook(lambda *_args: controller.before_optimizer_step())
+                # NCCL: a step of an aborted world must never be applied (see the controller):
+                # gated on the device (the managed loop can rewind its host state), or the
+                # host waits for the step's collectives first.
+                snapshot = self.host_step if opt is optimizer else None
+                opt.register_step_pre_hook(
+                    lambda o, *_args, s=snapshot: controller.before_optimizer_step(o, s))
+                opt.register_step_post_hook(
+                    lambda o, *_args: controller.after_optimizer_step(o))
             self.saves.before_save = controller.before_save
             controller.check_config(self)
         self.replicas = Replicas(ctx, in_place=controller is not None)
@@ -358,6 +376,7 @@ class ElasticLoop(MicroBatching, ManagedWay, InPlaceHooks, StepAgreement, LoopRe
         if not self._restored:
             self.restore()
         while True:
+            self.saves.before_step()  # the training stream waits for a save's copy
             if self._inplace is not None:
                 self._inplace.before_step(self)  # a pending reconfiguration and heal
                 if self._inplace.left:
@@ -391,9 +410,11 @@ class ElasticLoop(MicroBatching, ManagedWay, InPlaceHooks, StepAgreement, LoopRe
         drain = self._agree()
         if drain:
             self._drained = True
-        self.saves.after_step(self.step, self._full_state(),
-                              last=self.step >= self.max_steps, drained=drain,
-                              round_=self._round)
+        state = self._full_state()
+        self.saves.after_step(self.step, state, last=self.step >= self.max_steps,
+                              drained=drain, round_=self._round)
+        if not drain and self.step < self.max_steps:
+            self.saves.reserve(state)  # staging buffers, now that the state exists
         if drain:
             logger.info("drained at step %d", self.step)
             tell_agent("drained", step=self.step)
@@ -410,3 +431,13 @@ class ElasticLoop(MicroBatching, ManagedWay, InPlaceHooks, StepAgreement, LoopRe
             self._record("step", round=self._round, step=self.step - 1,
                          duration_s=round(compute, 4),
                          world=self.ctx.world_size if self.ctx is not None else 1)
+
+
+def _only_optimizer_writes(model: nn.Module | None, user_state: Mapping[str, Any]) -> bool:
+    """Whether the managed loop's optimizer step is the only writer of the saved tensors:
+    the model's state is its parameters (no persistent buffers, which a forward may update)
+    and nothing but the loop's own entries is saved."""
+    if model is None or set(user_state) - {"train", "scheduler"}:
+        return False
+    params = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    return set(model.state_dict(keep_vars=True)) <= params

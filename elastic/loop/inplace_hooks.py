@@ -57,6 +57,7 @@ class InPlaceHooks:
 
     def heal_state(self) -> dict[str, Any]:
         """Everything a survivor sends a rank that is behind (the checkpointed state)."""
+        self.saves.wait_copy()  # a receiver's state must not change under a save's copy
         return self._full_state()
 
     def world_changed(self) -> None:
@@ -74,6 +75,7 @@ class InPlaceHooks:
         self._cadence.reset()
         if self.checkpoint is not None and self.ctx is not None:
             self.checkpoint.rebind(self.ctx.checkpoint_group, self.ctx.round)
+        self.saves.reserve_due = True  # local shards may have new shapes
 
     def _declare(self) -> None:
         if self._inplace is not None:

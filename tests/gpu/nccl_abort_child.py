@@ -10,6 +10,11 @@ work: :func:`elastic.inplace.groups.build_groups`, :class:`elastic.inplace.abort
    thread aborts the world; the wait ends, the step is refused, the world is rebuilt.
 2. The fence that waits for nothing (``ELASTIC_NCCL_STEP_FENCE=0``): the step is let through,
    a thread aborts the world; the abort notes that the step's collective had not finished.
+3. The device gate (``ELASTIC_NCCL_STEP_FENCE=device``): a fused AdamW step is queued behind
+   the pending all-reduce without the host waiting; a thread aborts the world; once the world
+   is dropped, the parameter and the optimizer's state are unchanged (the step was skipped on
+   the GPU) and the fence gives back the step's snapshot to rewind to. A step of the rebuilt
+   world is applied.
 
 Prints progress and times to stderr and one JSON line to stdout; exits 0 only if the process
 lived through both aborts and both rebuilt worlds work. Times (seconds, monotonic):
@@ -38,7 +43,7 @@ from torch._C._distributed_c10d import HashStore
 
 from elastic.inplace.abort import WorldAbort, WorldAbortedError
 from elastic.inplace.groups import abort_groups, build_groups
-from elastic.inplace.step_fence import StepFence
+from elastic.inplace.step_fence import FenceMode, StepFence
 from elastic.process_group import NCCL_ASYNC_ERROR_HANDLING_ENV
 
 SLEEP_S = 3.0  # GPU work queued ahead of the collective
@@ -123,7 +128,7 @@ def main() -> int:
     gpu_free_at = queue_pending_collective(device, cycles)
     times: dict[str, float] = {}
     thread = abort_later(guard, times)
-    fence = StepFence(device, wait=True)
+    fence = StepFence(device, mode=FenceMode.WAIT)
     try:
         fence.before_optimizer_step(guard)
         refused = "nothing raised"
@@ -151,7 +156,7 @@ def main() -> int:
     # 2. The fence that does not wait: the abort notes the step it let through.
     abort_groups(guard)
     torch.cuda.synchronize()  # the first sleep is over
-    later = StepFence(device, wait=False)
+    later = StepFence(device, mode=FenceMode.LATER)
     guard = build(3, device, later)
     gpu_free_at = queue_pending_collective(device, cycles)
     later.before_optimizer_step(guard)  # returns at once: the step is applied
@@ -174,6 +179,46 @@ def main() -> int:
         "gpu_busy_after_abort_s": max(0.0, gpu_free_at - times["abort_returned"]),
     }
     log(f"fence that does not wait: {json.dumps(result['later'])}")
+    abort_groups(guard)
+    torch.cuda.synchronize()
+
+    # 3. The device gate: the step is queued, skipped on the GPU, and rewound to.
+    gate = StepFence(device, mode=FenceMode.DEVICE)
+    guard = build(5, device, gate)
+    weight = torch.nn.Parameter(torch.ones(1 << 20, device=device))
+    optimizer = torch.optim.AdamW([weight], lr=0.1, fused=True)
+    weight.grad = torch.ones_like(weight)
+    optimizer.step()  # the optimizer's state exists (no gate: no world yet for it)
+    torch.cuda.synchronize()
+    before = weight.detach().clone()
+    steps_before = float(optimizer.state[weight]["step"])
+    gpu_free_at = queue_pending_collective(device, cycles)
+    queued = time.monotonic()
+    gate.before_optimizer_step(guard, optimizer, snapshot=lambda: "step 7")
+    optimizer.step()
+    gate.after_optimizer_step(optimizer)
+    host_s = time.monotonic() - queued
+    times = {}
+    thread = abort_later(guard, times)
+    thread.join(30)
+    assert not thread.is_alive(), "the abort did not return within 30 s"
+    gate.settle(guard)  # waits for the stream (released by the abort), reads the gates
+    abort_groups(guard)
+    result["device"] = {
+        "host_queued_s": host_s,  # the host did not wait for the GPU's sleep
+        "skipped": bool(torch.equal(weight.detach(), before))
+        and float(optimizer.state[weight]["step"]) == steps_before,
+        "rewind_point": gate.rewind_point(), "spoiled": gate.spoiled,
+        "found_inf_left": hasattr(optimizer, "found_inf"),
+        "gpu_busy_after_abort_s": max(0.0, gpu_free_at - times["abort_returned"]),
+    }
+    guard = build(6, device, gate)  # a new world: a new gate, its steps applied
+    gate.before_optimizer_step(guard, optimizer, snapshot=lambda: "step 7")
+    optimizer.step()
+    gate.after_optimizer_step(optimizer)
+    gate.settle(guard)
+    result["device"]["applied_in_the_next_world"] = not torch.equal(weight.detach(), before)
+    log(f"device gate: {json.dumps(result['device'])}")
     abort_groups(guard)
     torch.cuda.synchronize()
     result["within_2s"] = all(result[k]["rebuilt_s"] <= 2.0 for k in ("wait", "later"))

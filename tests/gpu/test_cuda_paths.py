@@ -233,3 +233,10 @@ def test_an_nccl_world_is_aborted_from_a_thread_inside_a_collective_and_rebuilt(
     assert result["later"]["spoiled"] is True
     # Each rebuilt world works: a world of one all-reduces to its own values.
     assert result["wait"]["rebuilt_sum"] == result["later"]["rebuilt_sum"] == 3.0
+    # The device gate: queued without a host wait, skipped on the GPU, rewound to, and the
+    # next world's step applied.
+    gate = result["device"]
+    assert gate["host_queued_s"] < 1.0  # the GPU still ran its 3 s sleep
+    assert gate["skipped"] is True and gate["rewind_point"] == "step 7"
+    assert gate["spoiled"] is False and gate["found_inf_left"] is False
+    assert gate["applied_in_the_next_world"] is True

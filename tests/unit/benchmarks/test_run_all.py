@@ -365,6 +365,36 @@ def test_loop_rows_compare_the_managed_loop_with_plain_ddp_against_the_goal() ->
     assert loop_schedule(2) == ["plain", "managed", "managed", "plain"]
 
 
+# ---------------------------------------------------------------------------- gpu training
+
+
+def test_gpu_training_rows_hold_the_step_and_stall_goals_of_the_scripts_summary() -> None:
+    from benchmarks.gpu_training import summarize
+
+    def phase(name: str, kind: str, steps: list[float], **extra: Any) -> dict[str, Any]:
+        return {"name": name, "kind": kind, "steps": steps, "boundaries": [], "interval": 25,
+                "round": 0, "config": "", "deferred": 0, **extra}
+
+    slow = [0.04] * 40
+    slow[5] += 0.3  # DCP: 0.3 s
+    ours = [0.04] * 40
+    ours[5] += 0.05  # ours: 0.05 s against a 0.06 s floor
+    worker = {"phases": [
+        phase("plain r0", "block", [0.040] * 4, config="plain"),
+        phase("loop r0", "block", [0.0401] * 4, config="loop"),
+        phase("ours every 1 s", "saves", ours, boundaries=[5]),
+        phase("DCP every 1 s", "saves", slow, boundaries=[5]),
+        phase("ours every 1 s, wait policy", "saves", slow, boundaries=[5]),
+    ], "floor_s": [0.06], "state_bytes": 1, "warmup_steps": [0.04],
+        "reserve_wait_after_warmup_s": 0.0}
+    data = json.loads(json.dumps({"worker": worker, "summary": summarize(worker, [])}))
+    step, stall, versus_dcp = run_all.gpu_training_rows(data)
+    assert step.met is True and "1.0025x" in step.measure
+    assert stall.ours == pytest.approx(0.05) and stall.baseline == pytest.approx(0.06)
+    assert stall.met is True and stall.goal == "<= 1.5x copy floor"
+    assert versus_dcp.speedup and versus_dcp.ratio == pytest.approx(6.0)
+
+
 # --------------------------------------------------------------------------------- goodput
 
 

@@ -39,6 +39,13 @@ def test_the_loop_logs_steps_saves_and_restores(
     assert restored == [(0, False), (5, True)]
     saves = [(e["step"], e["final"]) for e in log if e["event"] == "checkpoint"]
     assert saves == [(3, False), (5, True), (6, False), (7, True)]
+    blocked = {e["step"]: e["blocked_s"] for e in log
+               if e["event"] == "checkpoint" and not e["final"]}
+    stalls = [e for e in log if e["event"] == "checkpoint_staged"]
+    assert [e["step"] for e in stalls] == [3, 6]  # the final saves end the run: not staged
+    for e in stalls:  # on the CPU the copy is made in the call: the stall is the call
+        assert e["bytes"] > 0 and e["held_s"] == 0 and e["copy_s"] == e["stage_s"]
+        assert e["stall_s"] <= blocked[e["step"]]
 
 
 def test_without_an_events_dir_the_loop_writes_nothing(

@@ -14,7 +14,12 @@ import torch
 from elastic.inplace.abort import WorldAbort, WorldAbortedError
 from elastic.inplace.controller import InPlaceController, SpoiledStateError
 from elastic.inplace.heal import HealResult
-from elastic.inplace.step_fence import STEP_FENCE_ENV, StepFence, step_fence_from_env
+from elastic.inplace.step_fence import (
+    STEP_FENCE_ENV,
+    FenceMode,
+    StepFence,
+    step_fence_from_env,
+)
 from elastic_errors import ConfigError
 
 CUDA1 = torch.device("cuda", 1)  # never touched: only handed to the stand-ins
@@ -70,7 +75,8 @@ class _Rig:
             self.devices.append(device)
             return self.stream
 
-        self.fence = StepFence(CUDA1, wait=wait, current_stream=current_stream,
+        self.fence = StepFence(CUDA1, mode=FenceMode.WAIT if wait else FenceMode.LATER,
+                               current_stream=current_stream,
                                new_event=lambda: _Event(self.events))
         self.guard = WorldAbort(name="e7", on_abort=self.fence.on_abort)
         self.guard.built()  # nothing to sever: the test opened no socket meanwhile
@@ -224,11 +230,13 @@ def test_the_abort_thread_and_the_training_thread_agree() -> None:
 
 def test_the_setting_is_read_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(STEP_FENCE_ENV, raising=False)
-    assert step_fence_from_env() is True
-    monkeypatch.setenv(STEP_FENCE_ENV, "0")
-    assert step_fence_from_env() is False
+    assert step_fence_from_env() is FenceMode.AUTO
+    for raw, mode in (("1", FenceMode.WAIT), ("0", FenceMode.LATER),
+                      (" Device ", FenceMode.DEVICE), ("auto", FenceMode.AUTO)):
+        monkeypatch.setenv(STEP_FENCE_ENV, raw)
+        assert step_fence_from_env() is mode
     monkeypatch.setenv(STEP_FENCE_ENV, "off")
-    with pytest.raises(ConfigError, match=r"ELASTIC_NCCL_STEP_FENCE \('off'\) must be 1"):
+    with pytest.raises(ConfigError, match=r"ELASTIC_NCCL_STEP_FENCE \('off'\) must be auto"):
         step_fence_from_env()
 
 
@@ -266,6 +274,12 @@ class _Loop:
 
     def settle_save(self) -> None:
         pass
+
+    def step_gate_blocker(self) -> str | None:
+        return "the explicit way"
+
+    def rewind(self, point: Any) -> None:
+        raise AssertionError("only the device gate rewinds")
 
 
 def test_gloo_needs_no_fence_and_nccl_gets_the_configured_one(

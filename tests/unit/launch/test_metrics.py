@@ -67,6 +67,12 @@ def _restart_job() -> list[tuple[dict[str, Any], bool]]:
         out += [(record, True), (dict(record), False)]  # rank 0 and rank 1
     out += [
         (_worker(3.0, "checkpoint", 0, step=5, blocked_s=0.02, final=False), True),
+        (_worker(3.1, "checkpoint_staged", 0, step=5, bytes=1 << 20, stage_s=0.001,
+                 copy_s=0.05, held_s=0.03, stall_s=0.032), True),
+        (_worker(3.1, "checkpoint_staged", 0, step=5, bytes=1 << 20, stage_s=0.001,
+                 copy_s=0.05, held_s=0.031, stall_s=0.033), False),
+        (_worker(3.2, "checkpoint_deferred", 0, step=6,
+                 reason="the save of step 5 is still being written"), True),
         (_worker(3.5, "checkpoint_committed", 0, step=5, durable_s=0.3, world=2), True),
         (_worker(3.5, "checkpoint_committed", 0, step=5, durable_s=0.31, world=2), False),
         (_worker(5.6, "checkpoint_failed", 0, step=10, error="disk full"), True),
@@ -122,6 +128,9 @@ def test_checkpoint_restart_and_failure_series() -> None:
     assert got[("elastic_run_checkpoint_blocking_seconds_count", ())] == 1
     assert got[("elastic_run_checkpoint_blocking_seconds_sum", ())] == pytest.approx(0.02)
     assert got[("elastic_run_checkpoint_durable_seconds_count", ())] == 1  # both ranks: once
+    assert got[("elastic_run_checkpoint_stall_seconds_count", ())] == 1  # both ranks: once
+    assert got[("elastic_run_checkpoint_stall_seconds_sum", ())] == pytest.approx(0.032)
+    assert got[("elastic_run_checkpoint_deferred_total", ())] == 1
     assert got[("elastic_run_checkpoint_durable_seconds_sum", ())] == pytest.approx(0.3)
     assert got[("elastic_run_checkpoint_failures_total", ())] == 1
     assert got[("elastic_run_checkpoint_load_seconds_count", ())] == 1  # the fresh start: none
