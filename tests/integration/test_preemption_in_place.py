@@ -6,7 +6,8 @@ an ``ElasticLoop`` script); node 0 watches a fake AWS instance metadata service 
 planned and exits 0; the two survivors go on in a world of 2 without restarting a worker
 (same pids), without reading a checkpoint, and with a stall shorter than a node lost without
 notice costs (its lease TTL): the gap between a survivor's last step in the world of 3 and its
-first step in the world of 2, less its normal step time. The job trains to its end; the weights equal an undisturbed run's.
+first step in the world of 2, less its normal step time. The job trains to its end; the
+weights equal an undisturbed run's.
 """
 
 from __future__ import annotations
