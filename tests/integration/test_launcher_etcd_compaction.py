@@ -24,7 +24,7 @@ from elastic.etcd import b64
 from tests.integration.launcher_scripts.harness import cluster, wait_until
 from tests.support.etcd_required import etcd_binary
 
-pytestmark = [pytest.mark.etcd, pytest.mark.slow]
+pytestmark = [pytest.mark.etcd, pytest.mark.slow, pytest.mark.timeout(300)]
 
 RESYNCED = "fell behind compaction; resyncing"
 

@@ -35,7 +35,7 @@ from checkpointing.layout import COMMIT_FILE, LATEST_FILE, format_dir_name, pars
 from tests.integration.checkpointing.s3_savers import NUMEL, save_alone, save_as_rank, state
 from tests.support.moto_s3 import moto_s3, s3_options
 
-pytestmark = [pytest.mark.s3, pytest.mark.slow]
+pytestmark = [pytest.mark.s3, pytest.mark.slow, pytest.mark.timeout(300)]
 
 _TIMED_KILLS = 5
 _WRITE_KILLS = 3
