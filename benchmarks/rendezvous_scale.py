@@ -1,8 +1,8 @@
 """Rendezvous at scale: N simulated nodes completing one round, elastic-run versus torch's c10d.
 
 **elastic-run**: each simulated node is what a node agent runs, minus its workers: its own
-etcd client, :func:`~elastic.rdzv.generation.open_run` (which run of the job id to join),
-then :class:`~elastic.rdzv.job.RunMembership` (its own lease carrying its JSON node record,
+etcd client, :func:`~membership.generation.open_run` (which run of the job id to join),
+then :class:`~membership.job.RunMembership` (its own lease carrying its JSON node record,
 its watch of the run's control keys, and the leader loop that campaigns for leadership and,
 once elected, mirrors the node records and writes the world by compare-and-swap). Each node
 record carries ``--workers`` worker slots (8 by default, as on an 8-GPU node), all ready, so
@@ -44,13 +44,21 @@ requests are sent from a helper process per node process, on plain sockets. Four
 processes stand in for a thousand machines here: hundreds of keep-alive threads competing
 for each process's GIL with the nodes under measurement would be late, and a lease refreshed
 late is a node lost, which no real agent suffers. ``--keepalive per-lease`` runs the real
-:class:`~elastic.etcd.Lease` thread per node instead. Likewise etcd keeps its data in
+:class:`~membership.etcd.Lease` thread per node instead. Likewise etcd keeps its data in
 ``/dev/shm`` (``--etcd-dir``): a production etcd has an SSD; this machine's disk swings 3x.
+
+``--via plugin`` makes each simulated node what torchrun runs with ``--rdzv-backend etcd-v3``
+instead: the plugin's handler (:mod:`membership.torch_handler`) and its
+``next_rendezvous()``; with ``--keepalive per-lease`` each keeps its own lease alive from its
+own thread, as a real torchrun agent does. A node whose lease expires while the machine is
+saturated (the keep-alive thread late) takes a new one and joins again ("leases retaken").
 
 Usage::
 
     python benchmarks/rendezvous_scale.py [--nodes 8,32,128,256,512,1024] [--processes 4]
         [--workers 8] [--round-timeout 60] [--steady 10] [--json out.json]
+    python benchmarks/rendezvous_scale.py --via plugin --keepalive per-lease --nodes 512 \
+        --backends elastic-run --steady 0
 """
 
 from __future__ import annotations
@@ -144,9 +152,9 @@ def predicted_load(nodes: int, *, ttl: int | None = None,
     membership does not change. Defaults: the node lease TTL of ``--inplace-ttl`` and the
     client's idle reconnect.
     """
-    from elastic.etcd import WATCH_IDLE_RECONNECT, keep_alive_period
-    from elastic.rdzv.config import DEFAULTS
-    from elastic.rdzv.job import RECORD_CHECK_S
+    from membership.config import DEFAULTS
+    from membership.etcd import WATCH_IDLE_RECONNECT, keep_alive_period
+    from membership.job import RECORD_CHECK_S
 
     ttl = int(DEFAULTS["member_ttl"]) if ttl is None else ttl
     idle = (idle_reconnect or WATCH_IDLE_RECONNECT).total_seconds()
@@ -174,8 +182,8 @@ class _Counters:
         self.watches: list[weakref.ref[Any]] = []
 
     def install(self) -> None:
-        from elastic import _etcd_watch
-        from elastic.etcd import EtcdClient
+        from membership import _etcd_watch
+        from membership.etcd import EtcdClient
 
         counters = self
         call, cas = EtcdClient.call, EtcdClient.cas
@@ -226,7 +234,7 @@ def _keepalive_process(endpoint: str, leases: Any, conn: Any, threads: int) -> N
 
     Each lease is refreshed by its own keep-alive request every ``keep_alive_period(ttl)``,
     at its own phase (its grant time), as independent agents refresh theirs: etcd receives
-    exactly the requests that one :class:`~elastic.etcd.Lease` thread per node would send.
+    exactly the requests that one :class:`~membership.etcd.Lease` thread per node would send.
     The client side is cheaper: requests are written and their chunked replies read on plain
     sockets, and, in a process of its own, the refreshes do not wait for the GIL behind the
     hundreds of simulated nodes of their process (on this machine all of them share two
@@ -236,7 +244,7 @@ def _keepalive_process(endpoint: str, leases: Any, conn: Any, threads: int) -> N
     """
     import heapq
 
-    from elastic.etcd import keep_alive_period
+    from membership.etcd import keep_alive_period
 
     lock = threading.Condition()
     heap: list[tuple[float, int, float]] = []  # (next refresh, lease id, period)
@@ -331,7 +339,7 @@ def _share_world_parses() -> None:
     the protocol. Each node still receives the record on its own watch stream and decodes the
     stream's message; only the parsed record (immutable) is shared.
     """
-    from elastic.rdzv.records import WorldRecord
+    from elastic.contract.records import WorldRecord
 
     parse = WorldRecord.loads.__func__  # type: ignore[attr-defined]
     cache: dict[tuple[str, int, bytes], WorldRecord] = {}
@@ -354,7 +362,7 @@ def _share_world_parses() -> None:
 
 def _client_class(leases: Any) -> Any:
     """The real client, or one whose leases the keep-alive process refreshes."""
-    from elastic.etcd import EtcdClient, Lease
+    from membership.etcd import EtcdClient, Lease
 
     if leases is None:
         return EtcdClient
@@ -384,12 +392,13 @@ class _SimNode:
     """One simulated node: a node agent's membership, no workers."""
 
     def __init__(self, client: Any, prefix: str, job: str, nodes: int, workers: int,
-                 ttl: int, index: int) -> None:
-        from elastic.rdzv.job import new_node_id
-        from elastic.rdzv.records import NodeRecord, WorkerSlot
+                 ttl: int, index: int, via: str = "membership") -> None:
+        from elastic.contract.records import NodeRecord, WorkerSlot
+        from membership.job import new_node_id
 
         self.client = client
         self.prefix, self.job, self.nodes, self.ttl = prefix, job, nodes, ttl
+        self.via = via
         self.record = NodeRecord(
             node=new_node_id(f"sim{index}"), host=f"sim{index}", addr="127.0.0.1",
             agent_pid=os.getpid(), store_port=20000 + index, probe_port=40000 + index,
@@ -401,11 +410,14 @@ class _SimNode:
 
     def join(self, timeout: float) -> None:
         """What an agent does at start: choose the run, publish itself, follow the world."""
-        from elastic.rdzv.generation import open_run
-        from elastic.rdzv.job import RunMembership
-        from elastic.rdzv.keys import JobKeys
-        from elastic.rdzv.leader import RunLimits
+        from membership.decide import RunLimits
+        from membership.generation import open_run
+        from membership.job import RunMembership
+        from membership.keys import JobKeys
 
+        if self.via == "plugin":
+            self._join_through_the_plugin(timeout)
+            return
         try:
             opened = open_run(self.client, JobKeys(self.prefix, self.job))
             self.phases["open_run"] = time.time()
@@ -421,18 +433,40 @@ class _SimNode:
         except Exception as exc:  # reported, not raised: the parent counts errors
             self.error = repr(exc)
 
+    def _join_through_the_plugin(self, timeout: float) -> None:
+        """What torchrun's agent does with ``--rdzv-backend etcd-v3``: the plugin's handler
+        (its own lease, kept alive by its own thread), then ``next_rendezvous()``."""
+        from torch.distributed.elastic.rendezvous import RendezvousParameters
+
+        from membership.config import RdzvConf
+        from membership.torch_handler import EtcdV3RendezvousHandler
+
+        try:
+            conf = RdzvConf.parse({"key_prefix": self.prefix, "member_ttl": self.ttl,
+                                   "last_call_timeout": 1.0, "join_timeout": timeout})
+            params = RendezvousParameters("etcd-v3", ",".join(self.client.config.endpoints),
+                                          self.job, self.nodes, self.nodes,
+                                          local_addr="127.0.0.1")
+            handler = EtcdV3RendezvousHandler(params, self.client, conf)
+            self.run = handler._run
+            self.phases["open_run"] = self.phases["watching"] = time.time()
+            handler.next_rendezvous()
+            self.phases["joined"] = self.done = time.time()
+        except Exception as exc:  # reported, not raised: the parent counts errors
+            self.error = repr(exc)
+
     def epoch(self) -> int:
         world = self.run.world() if self.run is not None else None
         return world.epoch if world is not None else 0
 
 
 def _ours_process(conn: Any, endpoint: str, prefix: str, job: str, first: int, count: int,
-                  nodes: int, workers: int, ttl: int, leases: Any) -> None:
+                  nodes: int, workers: int, ttl: int, leases: Any, via: str) -> None:
     """Runs ``count`` simulated nodes as threads, driven by the parent over ``conn``."""
     logging.basicConfig(level=logging.ERROR)
     # A node leaving looks like a loss to the others; not news here.
     logging.getLogger("elastic").setLevel(logging.CRITICAL)
-    from elastic.etcd import EtcdConfig
+    from membership.etcd import EtcdConfig
 
     counters = _Counters()
     counters.install()
@@ -440,7 +474,7 @@ def _ours_process(conn: Any, endpoint: str, prefix: str, job: str, first: int, c
     client_cls = _client_class(leases)
     config = EtcdConfig(endpoints=(endpoint,), request_timeout=timedelta(seconds=20),
                         deadline=timedelta(seconds=120))
-    sims = [_SimNode(client_cls(config), prefix, job, nodes, workers, ttl, first + i)
+    sims = [_SimNode(client_cls(config), prefix, job, nodes, workers, ttl, first + i, via)
             for i in range(count)]
     conn.send(("ready",))
     try:
@@ -460,7 +494,8 @@ def _ours_process(conn: Any, endpoint: str, prefix: str, job: str, first: int, c
                 conn.send(("round", [s.done for s in sims], [s.error for s in sims if s.error],
                            before, counters.snapshot(),
                            len(world.dumps()) if world is not None else 0,
-                           max(s.epoch() for s in sims), [s.phases for s in sims]))
+                           max(s.epoch() for s in sims), [s.phases for s in sims],
+                           sum(s.run.node.rejoins for s in sims if s.run is not None)))
             elif command == "counters":
                 conn.send(("counters", counters.snapshot()))
             elif command == "loss":
@@ -546,7 +581,8 @@ def _cpu_seconds(pids: list[int]) -> float:
 
 def ours_round(nodes: int, processes: int, endpoint: str, *, workers: int, ttl: int,
                cap: float, steady: float, keepalive: str, etcd_pid: int = 0,
-               prefix: str = "/bench") -> tuple[RoundResult, LoadResult | None]:
+               prefix: str = "/bench", via: str = "membership"
+               ) -> tuple[RoundResult, LoadResult | None]:
     """One round of ``nodes`` simulated nodes, then the steady load and a loss round."""
     ctx = mp.get_context("spawn")
     job = f"scale-{nodes}-{uuid.uuid4().hex[:6]}"
@@ -565,7 +601,8 @@ def ours_round(nodes: int, processes: int, endpoint: str, *, workers: int, ttl: 
                 endpoint, leases, kchild, max(1, count // 16))))
             kconns.append(kparent)
         procs.append(ctx.Process(target=_ours_process, daemon=True, args=(
-            child_end, endpoint, prefix, job, first, count, nodes, workers, ttl, leases)))
+            child_end, endpoint, prefix, job, first, count, nodes, workers, ttl, leases,
+            via)))
         first += count
     conns = [p for p, _ in pipes]
     for p in [*helpers, *procs]:
@@ -600,7 +637,8 @@ def ours_round(nodes: int, processes: int, endpoint: str, *, workers: int, ttl: 
                     "cpu_s": {"etcd": round(cpu1[0] - cpu0[0], 2),
                               "nodes": round(cpu1[1] - cpu0[1], 2),
                               "keep-alives": round(cpu1[2] - cpu0[2], 2)},
-                    "leases_lost": leases_lost})
+                    "leases_lost": leases_lost,
+                    "rejoins": sum(r[8] for r in replies)})
         if len(finished) == nodes:
             epoch = max(r[6] for r in replies)
             try:
@@ -937,6 +975,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="seconds of steady load counted after each elastic-run round (0: skip)")
     p.add_argument("--ttl", type=int, default=0,
                    help="node lease TTL in seconds (default: elastic-run's, --inplace-ttl)")
+    p.add_argument("--via", choices=("membership", "plugin"), default="membership",
+                   help="what each simulated node runs: the agent's membership, or torchrun's "
+                   "plugin handler (next_rendezvous(); use with --keepalive per-lease)")
     p.add_argument("--keepalive", choices=("pooled", "per-lease"), default="pooled",
                    help="keep-alive threads of the simulated nodes (see the docstring)")
     p.add_argument("--etcd-dir", default="/dev/shm" if os.path.isdir("/dev/shm") else None,
@@ -950,8 +991,8 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         p.error(f"--backends {args.backends!r}: unknown {sorted(unknown)}; use {OURS},{C10D}")
 
-    from elastic.rdzv.config import DEFAULTS
     from launch.etcd_server import EmbeddedEtcd, free_port
+    from membership.config import DEFAULTS
 
     ttl = args.ttl or int(DEFAULTS["member_ttl"])
     rounds: list[RoundResult] = []
@@ -976,7 +1017,7 @@ def main(argv: list[str] | None = None) -> int:
                                              workers=args.workers, ttl=ttl,
                                              cap=args.round_timeout, steady=args.steady,
                                              keepalive=args.keepalive,
-                                             etcd_pid=etcd.pid or 0)
+                                             etcd_pid=etcd.pid or 0, via=args.via)
                         rounds.append(r)
                         if load is not None:
                             loads.append(load)
@@ -990,7 +1031,8 @@ def main(argv: list[str] | None = None) -> int:
                         print(f"{'':11s}        phases (s after the start): "
                               f"{r.detail.get('phases_s', {})}; CPU s "
                               f"{r.detail.get('cpu_s', {})}; leases lost "
-                              f"{r.detail.get('leases_lost', 0)}", flush=True)
+                              f"{r.detail.get('leases_lost', 0)}; leases retaken "
+                              f"{r.detail.get('rejoins', 0)}", flush=True)
                         if load is not None and load.window_s >= MIN_STEADY_WINDOW_S:
                             print(f"{'':11s}        keep-alives/s {load.keepalives_per_s:.1f} "
                                   f"(predicted {load.predicted['keepalives_per_s']:.1f})  "

@@ -16,8 +16,9 @@ Launchers (the job: ``tests/integration/training/inplace_worker.py``, float64, 0
 
 * ``elastic-run-inplace``: ``elastic-run --min-nodes 2 --max-nodes 3 --etcd ... --job-id ...``
   (the worker declares in place); the survivors abort the world when the lost member's key
-  goes (its lease TTL, ``--inplace-ttl`` 3 s), a stopped worker is replaced at the TTL, a
-  live-hung one is evicted by the progress rule (``--hang-timeout`` 10 s);
+  goes (its lease TTL, ``--inplace-ttl`` 3 s), a stopped worker is replaced once silent for
+  0.6 s (its kernel state says stopped), a live-hung one is evicted by the progress rule
+  (``--hang-timeout`` 10 s);
 * ``elastic-run-restart``: the same with ``--elastic-mode restart`` (every change restarts
   every worker from the last checkpoint);
 * ``torchrun``: ``--nnodes 2:3 --nproc-per-node 1 --max-restarts 3 --rdzv-backend c10d``,
@@ -29,8 +30,9 @@ from the workers' own step timestamps (``tests.support.netns_job.stall``): in pl
 every survivor completed a step in a newer world; under the restarting launchers, until the
 first step of a new worker process or a newer world. A run that has not recovered ``--cap``
 seconds after the fault is capped and reported as "> cap" (its median too, when at least
-half the runs were capped). Goals (issue 14): in place, a silent host and a SIGSTOP cost at
-most the TTL + 1 s (4 s), a live hang at most the progress rule's bound + 1 s (11 s).
+half the runs were capped). Goals: in place, a silent host costs at most the TTL + 1 s (4 s,
+issue 14), a SIGSTOP at most 1.5 s (issue 25), a live hang at most the progress rule's bound
++ 1 s (11 s).
 
 Needs root, ``ip`` and ``nft`` (Debian's iproute2 and nftables); elsewhere it prints one line
 saying why and exits 0 with ``{"skipped": reason}`` as its JSON. Prints one Markdown table;
@@ -74,7 +76,11 @@ SCENARIO_LABELS = {"silent_host": "silent host loss (link cut)",
 #: elastic-run's defaults the goals are stated in.
 INPLACE_TTL_S = 3.0
 HANG_TIMEOUT_S = 10.0
-GOALS = {"silent_host": INPLACE_TTL_S + 1.0, "sigstop": INPLACE_TTL_S + 1.0,
+#: A frozen worker is replaced once it is silent and the kernel reports it stopped (issue 25:
+#: at most 1.5 s, against 2.96 s when it waited for the lease TTL; TorchFT 0.2.0, lighthouse
+#: heartbeat timeout 1 s: 1.09 s as measured for the issue).
+FROZEN_GOAL_S = 1.5
+GOALS = {"silent_host": INPLACE_TTL_S + 1.0, "sigstop": FROZEN_GOAL_S,
          "live_hang": HANG_TIMEOUT_S + 1.0}
 STEP_TIME_S = 0.05
 WARM_UP = 8
@@ -274,8 +280,8 @@ def table(runs: Sequence[Run], cap_s: float) -> str:
                          f"{values} | {goal} | {met} |")
     lines += ["", "In place: until every survivor completed a step in the next world; restart "
               "mode and torchrun: until the first step of a new worker process (or a newer "
-              "world). Goals: TTL + 1 s for a silent host and a SIGSTOP, the progress rule's "
-              f"bound ({HANG_TIMEOUT_S:g} s) + 1 s for a live hang."]
+              "world). Goals: TTL + 1 s for a silent host, 1.5 s for a SIGSTOP, the progress "
+              f"rule's bound ({HANG_TIMEOUT_S:g} s) + 1 s for a live hang."]
     return "\n".join(lines)
 
 

@@ -30,7 +30,6 @@ from types import TracebackType
 from typing import Any, Protocol
 
 import torch.distributed as dist
-from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
@@ -59,6 +58,7 @@ from checkpointing.retention import plan_retention
 from checkpointing.shard_io import ShardWriter
 from checkpointing.staging import HostStager, StagedCopy
 from checkpointing.storage import STORAGE_RETRY_DEADLINE_S, Storage, is_transient
+from torch_private import FsspecReader
 
 logger = logging.getLogger(__name__)
 

@@ -39,6 +39,8 @@ import torch
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
+from torch_private import dtensor_spec
+
 __all__ = ["CudaApi", "DeviceApi", "HostStager", "StagedCopy"]
 
 logger = logging.getLogger(__name__)
@@ -351,7 +353,7 @@ class HostStager:
             # DTensor's own constructor, as torch's DCP staging builds it: from_local() would
             # move the host shard back to the mesh's device.
             return DTensor(  # type: ignore[no-untyped-call]
-                local, tensor._spec, requires_grad=False)
+                local, dtensor_spec(tensor), requires_grad=False)
         if type(tensor) is not torch.Tensor and not isinstance(tensor, torch.nn.Parameter):
             # Other subclasses: let torch produce its own host copy.
             return tensor.detach().to("cpu", copy=True)

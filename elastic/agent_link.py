@@ -21,10 +21,28 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, Final
+from typing import Final
 
 from elastic import env
-from elastic.rdzv.records import RecordError, WorldRecord
+from elastic.contract.messages import (
+    AgentMessage,
+    End,
+    Evict,
+    Exiting,
+    Failure,
+    Gone,
+    Heartbeat,
+    Hello,
+    Lease,
+    MessageError,
+    StallRule,
+    Welcome,
+    WorkerMessage,
+    World,
+    decode_agent_message,
+    encode,
+)
+from elastic.contract.records import WorldRecord
 from elastic_errors import ConfigError, JobFatalError
 
 __all__ = ["AgentLink", "current_link", "describe", "link_from_env", "report_failure", "send_all"]
@@ -76,15 +94,15 @@ class AgentLink:
         self.incarnation = incarnation
         self._cond = threading.Condition()
         self._send_lock = threading.Lock()
-        self._listeners: list[Callable[[dict[str, Any]], None]] = []
+        self._listeners: list[Callable[[AgentMessage], None]] = []
         self._tickers: list[Callable[[], None]] = []
         self._closed = False
         #: The newest world the agent reported.
         self.world: WorldRecord | None = None
         #: Whether the node's lease is fresh (a member that may commit checkpoints).
         self.lease_ok = True
-        #: How the run ended (``{"outcome", "reason", "step"}``), once it has.
-        self.end: dict[str, Any] | None = None
+        #: How the run ended, once it has.
+        self.end: End | None = None
         #: Why the agent evicted this worker, once it has.
         self.evicted: str | None = None
         #: Job-wide ids of workers known dead (local peers the agent saw exit).
@@ -92,6 +110,8 @@ class AgentLink:
         #: This node's id and this worker's job-wide id (from the agent's welcome).
         self.node = ""
         self.me = ""
+        #: When to report a stalled collective (from the agent's welcome).
+        self.stall: StallRule | None = None
         #: The training step this worker is at (reported with a failure).
         self.step = -1
         #: Decides whether an exception a worker dies of was caused by a peer's failure
@@ -100,7 +120,7 @@ class AgentLink:
         self.lost = threading.Event()
         self._sock = self._connect(path)
         self._reader = self._sock.makefile("rb")
-        self.send("hello", local_rank=local_rank, incarnation=incarnation, pid=os.getpid())
+        self.send(Hello(local_rank, incarnation, os.getpid()))
         self._read_welcome()
         threading.Thread(target=self._read_loop, name="elastic-agent-link", daemon=True).start()
         threading.Thread(target=self._heartbeat_loop, name="elastic-heartbeat",
@@ -127,7 +147,11 @@ class AgentLink:
         line = self._reader.readline()
         if not line:
             raise ConnectionError("the node agent closed the channel before welcoming us")
-        self._apply(json.loads(line))
+        message = self._parse(line)
+        if not isinstance(message, Welcome):
+            raise ConnectionError("the node agent did not welcome this worker; the agent and "
+                                  "its workers must run the same elastic-run")
+        self._apply(message)
 
     @property
     def fileno(self) -> int:
@@ -136,9 +160,9 @@ class AgentLink:
 
     # -- sending ----------------------------------------------------------------------------
 
-    def send(self, kind: str, **fields: Any) -> bool:
+    def send(self, message: WorkerMessage) -> bool:
         """Sends a message to the agent; returns ``False`` if it could not be delivered."""
-        data = (json.dumps({"type": kind, **fields}, separators=(",", ":")) + "\n").encode()
+        data = encode(message)
         with self._send_lock:
             if self._closed:
                 return False
@@ -146,7 +170,7 @@ class AgentLink:
 
     # -- receiving --------------------------------------------------------------------------
 
-    def add_listener(self, listener: Callable[[dict[str, Any]], None]) -> None:
+    def add_listener(self, listener: Callable[[AgentMessage], None]) -> None:
         """Calls ``listener(message)`` (on the reader thread) after each message is applied."""
         self._listeners.append(listener)
 
@@ -154,28 +178,35 @@ class AgentLink:
         """Calls ``ticker()`` about every 0.5 s from the heartbeat thread."""
         self._tickers.append(ticker)
 
-    def _apply(self, message: dict[str, Any]) -> None:
-        kind = message.get("type")
+    @staticmethod
+    def _parse(line: bytes) -> AgentMessage | None:
+        try:
+            raw = json.loads(line)
+            return decode_agent_message(raw) if isinstance(raw, dict) else None
+        except (ValueError, MessageError) as exc:
+            logger.error("ignoring a channel message from the agent (%s)", exc)
+            return None
+
+    def _apply(self, message: AgentMessage) -> None:
         with self._cond:
-            if kind == "welcome":
-                self.node = str(message.get("node", ""))
-                self.me = str(message.get("worker", ""))
-            if kind in ("welcome", "world") and message.get("world"):
-                try:
-                    world = WorldRecord.from_json(message["world"])
-                except RecordError as exc:
-                    logger.error("the agent sent an invalid world (%s)", exc)
-                else:
-                    if self.world is None or world.revision >= self.world.revision:
-                        self.world = world
-            if "lease_ok" in message:
-                self.lease_ok = bool(message["lease_ok"])
-            if kind == "end" or (kind == "welcome" and message.get("end")):
-                self.end = dict(message.get("end") or message)
-            if kind == "gone":
-                self.gone.update(str(w) for w in message.get("workers", ()))
-            if kind == "evict":
-                self.evicted = str(message.get("reason", "evicted by the agent"))
+            world = None
+            if isinstance(message, Welcome):
+                self.node, self.me, self.stall = message.node, message.worker, message.stall
+                world, self.lease_ok = message.world, message.lease_ok
+                self.end = message.end or self.end
+            elif isinstance(message, World):
+                world = message.world
+            elif isinstance(message, Lease):
+                self.lease_ok = message.lease_ok
+            elif isinstance(message, End):
+                self.end = message
+            elif isinstance(message, Gone):
+                self.gone.update(message.workers)
+            elif isinstance(message, Evict):
+                self.evicted = message.reason
+            if world is not None and (self.world is None
+                                      or world.revision >= self.world.revision):
+                self.world = world
             self._cond.notify_all()
 
     def _read_loop(self) -> None:
@@ -184,11 +215,8 @@ class AgentLink:
                 line = self._reader.readline()
                 if not line:
                     break
-                try:
-                    message = json.loads(line)
-                except ValueError:
-                    continue
-                if not isinstance(message, dict):
+                message = self._parse(line)
+                if message is None:
                     continue
                 self._apply(message)
                 for listener in list(self._listeners):
@@ -207,7 +235,7 @@ class AgentLink:
 
     def _heartbeat_loop(self) -> None:
         while not self._closed and not self.lost.is_set():
-            self.send("heartbeat")
+            self.send(Heartbeat())
             for ticker in list(self._tickers):
                 try:
                     ticker()
@@ -266,8 +294,9 @@ def report_failure(exc: BaseException) -> None:
                 peer = False
         from elastic.failures import is_peer_failure_type
 
-        link.send("failure", error=describe(exc), step=link.step, peer=peer,
-                  peer_type=is_peer_failure_type(exc), fatal=isinstance(exc, JobFatalError))
+        link.send(Failure(describe(exc), link.step, peer=peer,
+                          peer_type=is_peer_failure_type(exc),
+                          fatal=isinstance(exc, JobFatalError)))
     except Exception:  # dying anyway: the exit code still tells the agent it failed
         logger.debug("could not report the failure to the agent", exc_info=True)
 
@@ -300,5 +329,5 @@ def link_from_env(*, register: bool = True) -> AgentLink | None:
         _active = link
         # Before the interpreter's teardown stops the heartbeat thread (see the agent's
         # heartbeat rule): atexit handlers run first, in the reverse order of registration.
-        atexit.register(link.send, "exiting")
+        atexit.register(link.send, Exiting())
     return link

@@ -17,6 +17,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from torch_private import set_pg_timeout
+
 __all__ = [
     "NCCL_ASYNC_ERROR_HANDLING_ENV",
     "ProcessGroups",
@@ -97,12 +99,8 @@ def build_process_groups(
 def lower_timeouts(groups: ProcessGroups, timeout: timedelta) -> None:
     """Shortens the training group's timeout after a barrier (so slow starters do not trip it)."""
     dist.barrier(group=groups.default)
-    # Private but stable since torch 2.2; torchtitan uses the same seam.
-    set_timeout = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
-    if set_timeout is None:
+    if not set_pg_timeout(timeout, groups.default):
         logger.warning("this torch cannot lower process-group timeouts; keeping the init value")
-        return
-    set_timeout(timeout, groups.default)
 
 
 def destroy_process_groups() -> None:

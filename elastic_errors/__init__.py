@@ -1,11 +1,15 @@
 """The errors every elastic-run package shares, in the one place that imports none of them.
 
 The packages depend on each other in one direction: ``launch`` (the launcher and node agent)
-uses ``elastic`` (the runtime a training script imports), which uses ``checkpointing`` (the
-checkpoint manager); all three use this package, which uses nothing of theirs. Each package
-keeps its own errors beside its code (``checkpointing.errors``, ``elastic.rdzv.records``)
-and derives them from :class:`ElasticError`, so ``except ElasticError`` catches every error
-elastic-run raises on its own account.
+uses ``membership`` (the control plane: etcd, the rendezvous, liveness) and ``elastic`` (the
+runtime a training script imports), which uses ``checkpointing`` (the checkpoint manager);
+``membership`` reaches ``elastic`` only through its contract (``elastic.contract``,
+``elastic.env``), and no worker-side module imports ``membership``. All of them use this
+package and ``torch_private`` (torch's private APIs, in one place), which use nothing of
+theirs. Each package keeps its own errors beside its code
+(``checkpointing.errors``, ``elastic.contract.records``) and derives them from
+:class:`ElasticError`, so ``except ElasticError`` catches every error elastic-run raises on its
+own account.
 
 Every message is one sentence that names the offending value in parentheses and says what to
 do next.

@@ -6,15 +6,13 @@ named to them by ``ELASTIC_AGENT_SOCKET``. The kernel tells the agent who connec
 (``SO_PEERCRED``): a connection from a process that is not one of this agent's workers is
 closed unread. So no credential, and no etcd endpoint, ever reaches a worker.
 
-Messages are JSON objects, one per line. Workers say ``hello`` first (their local rank and
-incarnation), then ``heartbeat`` about twice a second from a thread of their own (a stopped
-process falls silent: that is how a SIGSTOPped worker is noticed), and report what the agent
-needs (``ready``, ``declare``, ``waiting``, ``failure``, ``finished``, ``suspect``,
-``exiting``). The
-agent sends each new ``world``, the node's ``lease`` state, the run's ``end``, ``gone``
-(local peers that died) and ``evict``. Sends never block the agent for long: a worker that
-does not read (stopped, hung) has its messages dropped after a short timeout, and the
-heartbeat timeout decides its fate.
+Messages are the typed messages of :mod:`elastic.contract.messages`, one JSON object per line.
+Workers say ``hello`` first (their local rank and incarnation), then ``heartbeat`` about twice
+a second from a thread of their own (a stopped process falls silent: that is how a frozen
+worker is noticed), and report what the agent needs. The agent sends each new ``world``, the
+node's ``lease`` state, the run's ``end``, ``gone`` (local peers that died) and ``evict``.
+Sends never block the agent for long: a worker that does not read (stopped, hung) has its
+messages dropped after a short timeout, and the heartbeat rule decides its fate.
 """
 
 from __future__ import annotations
@@ -30,9 +28,18 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Final
 
 from elastic.agent_link import send_all
+from elastic.contract.messages import (
+    AgentMessage,
+    Heartbeat,
+    Hello,
+    MessageError,
+    WorkerMessage,
+    decode_worker_message,
+    encode,
+)
 from launch.socket_dirs import private_socket_dir
 
 __all__ = ["ChannelServer", "WorkerConnection"]
@@ -66,14 +73,14 @@ class WorkerConnection:
     exiting: bool = False
     send_lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def send(self, message: dict[str, Any]) -> bool:
+    def send(self, message: AgentMessage) -> bool:
         """Sends one message; returns ``False`` if the worker did not take it in time.
 
         A worker whose socket buffer stays full for the send timeout is not reading (stopped
         or hung); a message cut in half would corrupt the stream, so the connection is
         closed then, and the worker's heartbeat timeout decides what happens to it.
         """
-        data = (json.dumps(message, separators=(",", ":")) + "\n").encode()
+        data = encode(message)
         with self.send_lock:
             if self.closed:
                 return False
@@ -90,7 +97,7 @@ class WorkerConnection:
         self.sock.close()
 
 
-MessageHandler = Callable[[WorkerConnection, dict[str, Any]], None]
+MessageHandler = Callable[[WorkerConnection, WorkerMessage], None]
 
 
 class ChannelServer:
@@ -137,7 +144,7 @@ class ChannelServer:
             found = self._connections.get(local_rank)
         return found if found is not None and not found.closed else None
 
-    def broadcast(self, message: dict[str, Any]) -> None:
+    def broadcast(self, message: AgentMessage) -> None:
         """Sends ``message`` to every connected worker (never blocks for long)."""
         for connection in self.connections():
             connection.send(message)
@@ -174,11 +181,12 @@ class ChannelServer:
                 if not line:
                     return
                 try:
-                    message = json.loads(line)
-                except ValueError:
-                    logger.warning("ignoring a malformed channel message from pid %d", pid)
-                    continue
-                if not isinstance(message, dict):
+                    raw = json.loads(line)
+                    if not isinstance(raw, dict):
+                        raise MessageError("a channel message must be a JSON object")
+                    message = decode_worker_message(raw)
+                except (ValueError, MessageError) as exc:
+                    logger.warning("ignoring a channel message from pid %d (%s)", pid, exc)
                     continue
                 if connection is None:
                     connection = self._hello(sock, pid, message)
@@ -186,7 +194,7 @@ class ChannelServer:
                         return
                     continue
                 connection.last_heard = time.monotonic()
-                if message.get("type") != "heartbeat":
+                if not isinstance(message, Heartbeat):
                     self._on_message(connection, message)
         except OSError:
             return
@@ -202,16 +210,11 @@ class ChannelServer:
                 sock.close()
 
     def _hello(self, sock: socket.socket, pid: int,
-               message: dict[str, Any]) -> WorkerConnection | None:
-        if message.get("type") != "hello":
+               message: WorkerMessage) -> WorkerConnection | None:
+        if not isinstance(message, Hello):
             logger.warning("channel: pid %d spoke before saying hello; closing", pid)
             return None
-        try:
-            connection = WorkerConnection(int(message["local_rank"]),
-                                          int(message["incarnation"]), pid, sock)
-        except (KeyError, TypeError, ValueError):
-            logger.warning("channel: pid %d sent an invalid hello; closing", pid)
-            return None
+        connection = WorkerConnection(message.local_rank, message.incarnation, pid, sock)
         with self._lock:
             old = self._connections.get(connection.local_rank)
             self._connections[connection.local_rank] = connection

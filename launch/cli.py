@@ -23,7 +23,7 @@ torch's own ``get_args_parser()``, extended), plus:
   place (:mod:`elastic.inplace`) or every worker restarts on a membership change; ``auto``
   (the default) runs every ``ElasticLoop`` script in place and restarts the others.
 
-The rendezvous is elastic-run's own protocol on etcd (:mod:`elastic.rdzv`); torchrun users get
+The rendezvous is elastic-run's own protocol on etcd (:mod:`membership`); torchrun users get
 the same protocol with ``--rdzv-backend etcd-v3``. Three more forms:
 
 * ``elastic-run status --job-id ID [--etcd ENDPOINTS]`` prints the job's current round and members;
@@ -50,6 +50,7 @@ from elastic import env
 from elastic_errors import ConfigError, ElasticError
 from launch.budget import DEFAULT_MAX_RESTARTS, DEFAULT_WINDOW_S
 from launch.exit_codes import EXIT_BAD_INPUT, EXIT_OK, EXIT_RENDEZVOUS, PROG
+from membership.keys import validate_job_id
 
 logger = logging.getLogger(__name__)
 
@@ -231,7 +232,7 @@ def _env_int(name: str) -> int | None:
 
 def parse_endpoints(text: str) -> list[str]:
     """Split and validate ``host:port[,host:port...]``; raises ConfigError on bad input."""
-    from elastic.etcd import parse_endpoints as parse
+    from membership.etcd import parse_endpoints as parse
 
     # torchrun's --rdzv-endpoint is host:port; TLS is selected with --rdzv-conf protocol=https.
     return [e.split("://", 1)[-1] for e in parse(text)]
@@ -277,6 +278,9 @@ def _resolve_rendezvous(args: argparse.Namespace) -> None:
         )
     if args.job_id:
         args.rdzv_id = args.job_id
+    if args.rdzv_id not in ("none", ""):
+        # The rendezvous names etcd keys after it: refused here, before anything starts.
+        validate_job_id(args.rdzv_id)
     if args.standalone:
         args.rdzv_backend = DEFAULT_BACKEND
         if args.rdzv_id in ("none", ""):

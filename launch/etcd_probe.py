@@ -35,7 +35,7 @@ def probe(endpoints: str, timeout: timedelta, conf: Mapping[str, Any] | None = N
         EtcdUnavailableError: nothing answered within ``timeout``.
         ConfigError: an endpoint or a TLS file is invalid.
     """
-    from elastic.etcd import EtcdClient, config_from_env
+    from membership.etcd import EtcdClient, config_from_env
 
     conf = conf or {}
     deadline = timedelta(seconds=max(timeout.total_seconds(), 0.1))

@@ -17,8 +17,8 @@ from datetime import timedelta
 from typing import Any, Final
 
 from elastic import env
+from elastic.contract.records import RecordError
 from elastic.eventlog import EventLog, FileSink, process_started_at
-from elastic.rdzv.records import RecordError
 from elastic_errors import ConfigError, EtcdUnavailableError
 from launch.exit_codes import EXIT_RENDEZVOUS, PROG
 
@@ -107,7 +107,7 @@ def interface_env(addr: str, environ: Mapping[str, str]) -> dict[str, str]:
     own rules; every connection a peer dials must go to the address this node registered. A
     value the user set is kept.
     """
-    from elastic.rdzv.job import interface_of
+    from membership.address import interface_of
 
     missing = [name for name in SOCKET_IFNAME_VARS if not environ.get(name)]
     if not missing:
@@ -125,12 +125,12 @@ def run(args: argparse.Namespace) -> int:
     """Runs the node agent described by validated ``args``; returns the exit code."""
     from torch.distributed.run import config_from_args
 
-    from elastic.rdzv.config import RdzvConf, client_for
-    from elastic.rdzv.job import interface_of, registered_address
     from launch.etcd_probe import probe
     from launch.node_agent import NodeAgent
     from launch.slots import WorkerCommand
     from launch.telemetry import NodeTelemetry
+    from membership.address import interface_of, registered_address
+    from membership.config import RdzvConf, client_for
 
     config, cmd, cmd_args = config_from_args(args)
     conf = RdzvConf.parse(config.rdzv_configs, member_ttl=args.inplace_ttl)
@@ -211,8 +211,8 @@ def _shutdown_timeout(config: Any) -> float:
 def _agent_config(args: argparse.Namespace, config: Any, conf: Any, addr: str,
                   telemetry: Any) -> Any:
     """The node agent's settings, from torchrun's parsed config, ``--rdzv-conf`` and ours."""
+    from launch.agent_config import AgentConfig
     from launch.budget import CrashBudget
-    from launch.node_agent import AgentConfig
 
     return AgentConfig(
         job_id=config.run_id, key_prefix=conf.key_prefix, min_nodes=config.min_nodes,

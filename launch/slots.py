@@ -6,7 +6,9 @@ workers keep their processes and their place in the world.
 
 Every worker runs under ``launch.worker_guard`` (it dies with the agent, and reports an
 uncaught exception to the agent before exiting) in a session of its own, so that stopping it
-also reaches its DataLoader processes.
+also reaches its DataLoader processes. Its standard error passes through the agent (copied
+line by line to the agent's own), so that a script that dies before it can report anything
+(an unknown flag, an ImportError, a SyntaxError) still names its error: the last line it wrote.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import logging
 import os
 import signal
 import subprocess
+import sys
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -26,6 +30,7 @@ __all__ = ["SlotProcess", "WorkerCommand"]
 logger = logging.getLogger(__name__)
 
 _REAP_POLL_S: Final = 0.02
+_MAX_ERROR_LINE: Final = 500
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +56,7 @@ class SlotProcess:
         proc: The process.
         started_at: ``time.monotonic()`` at start.
         stopping: Set when the agent asked it to stop (its exit is not a crash).
+        last_error_line: The last non-empty line the worker wrote to its standard error.
     """
 
     local_rank: int
@@ -58,15 +64,38 @@ class SlotProcess:
     proc: subprocess.Popen[bytes]
     started_at: float = field(default_factory=time.monotonic)
     stopping: bool = False
+    last_error_line: str = ""
 
     @classmethod
     def start(cls, command: WorkerCommand, local_rank: int, incarnation: int,
               env: Mapping[str, str]) -> SlotProcess:
         """Starts the worker of ``local_rank`` with ``env`` on top of the base environment."""
         full_env = {**command.base_env, **env}
-        proc = subprocess.Popen(list(command.argv), env=full_env, start_new_session=True)
+        proc = subprocess.Popen(list(command.argv), env=full_env, start_new_session=True,
+                                stderr=subprocess.PIPE)
         logger.info("started worker %d.%d (pid %d)", local_rank, incarnation, proc.pid)
-        return cls(local_rank, incarnation, proc)
+        started = cls(local_rank, incarnation, proc)
+        threading.Thread(target=started._copy_stderr, name=f"elastic-stderr-{proc.pid}",
+                         daemon=True).start()
+        return started
+
+    def _copy_stderr(self) -> None:
+        """Copies the worker's standard error to the agent's, line by line (so that lines of
+        several workers never mix), keeping the last non-empty one."""
+        stream = self.proc.stderr
+        assert stream is not None
+        out = getattr(sys.stderr, "buffer", None)
+        with contextlib.suppress(OSError, ValueError):
+            for line in iter(stream.readline, b""):
+                if out is not None:
+                    with contextlib.suppress(OSError, ValueError):
+                        out.write(line)
+                        out.flush()
+                text = line.decode(errors="replace").strip()
+                if text:
+                    self.last_error_line = text[:_MAX_ERROR_LINE]
+        with contextlib.suppress(OSError):
+            stream.close()
 
     @property
     def pid(self) -> int:
@@ -81,6 +110,18 @@ class SlotProcess:
     def exit_code(self) -> int | None:
         """The exit code once it exited (``-N`` for signal N), else ``None``."""
         return self.proc.poll()
+
+    def stopped(self) -> bool:
+        """Whether the kernel reports the worker stopped by a signal (SIGSTOP: state ``T``).
+
+        A process busy in a long step or a garbage-collection pause is running (``R``) or
+        sleeping (``S``/``D``), never ``T``; a debugger's stop is ``t`` and does not count.
+        """
+        try:
+            with open(f"/proc/{self.proc.pid}/stat") as stat:
+                return stat.read().rsplit(")", 1)[1].split()[0] == "T"
+        except (OSError, IndexError):
+            return False
 
     def signal(self, sig: signal.Signals) -> None:
         """Sends ``sig`` to the worker's whole session (its DataLoader processes too)."""

@@ -27,6 +27,7 @@ from typing import Any, Final
 
 from elastic import env
 from elastic_errors import ConfigError, EtcdUnavailableError
+from membership.keys import validate_job_id
 
 EXIT_OK: Final = 0
 EXIT_NOT_FOUND: Final = 1
@@ -129,8 +130,8 @@ def format_status(job_id: str, status: Any, *, now: float | None = None) -> str:
 
 
 def _read(job_id: str, endpoints: str, timeout: float, key_prefix: str) -> Any:
-    from elastic.etcd import EtcdClient, config_from_env
-    from elastic.rdzv.status import read_job_status
+    from membership.etcd import EtcdClient, config_from_env
+    from membership.status import read_job_status
 
     limit = timedelta(seconds=timeout)
     client = EtcdClient(config_from_env(endpoints, request_timeout=limit, deadline=limit))
@@ -312,6 +313,10 @@ def main(argv: Iterable[str]) -> int:
     if args.rate_interval < 0:
         return _fail(f"--rate-interval ({args.rate_interval:g}) must be 0 or more.",
                      EXIT_BAD_INPUT)
+    try:
+        validate_job_id(args.job_id)
+    except ConfigError as exc:
+        return _fail(str(exc), EXIT_BAD_INPUT)
     try:
         status = _read(args.job_id, args.etcd, args.timeout, args.key_prefix)
     except ConfigError as exc:

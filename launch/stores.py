@@ -20,7 +20,7 @@ from collections import OrderedDict
 from datetime import timedelta
 from typing import Final
 
-from torch._C._distributed_c10d import TCPStore
+from torch_private import TCPStore
 
 __all__ = ["StorePool"]
 

@@ -2,7 +2,7 @@
 
 * ``EtcdClientContract`` pins the etcd semantics the fake reproduces for the unit tests
   (revisions, compare-and-swap, transactions, leases, prefix watches, waits); a subclass
-  provides ``etcd`` (an :class:`~elastic.etcd.EtcdClient` or a fake) and ``prefix``.
+  provides ``etcd`` (an :class:`~membership.etcd.EtcdClient` or a fake) and ``prefix``.
 * ``StoreContract`` pins the parts of ``torch.distributed.Store`` that torch's agent uses
   (blocking get, add, compare_set, wait, check, delete_key, num_keys, multi_get/multi_set,
   PrefixStore); a subclass provides ``store``.
@@ -23,13 +23,13 @@ import pytest
 from torch.distributed import DistStoreError, PrefixStore
 
 from elastic.errors import EtcdUnavailableError
-from elastic.etcd import WatchEvent
+from membership.etcd import LeaseGoneError, WatchEvent
 
 _WAIT = timedelta(seconds=10)
 
 
 class EtcdClientContract:
-    """What the rendezvous code needs of etcd, through :class:`~elastic.etcd.EtcdClient`."""
+    """What the rendezvous code needs of etcd, through :class:`~membership.etcd.EtcdClient`."""
 
     @pytest.fixture
     def etcd(self) -> Any:
@@ -158,7 +158,8 @@ class EtcdClientContract:
         assert etcd.get(f"{prefix}/free") is not None
         assert etcd.keep_alive_once(lease) <= 0
         etcd.revoke_lease(lease)  # revoking twice is no error
-        with pytest.raises(EtcdUnavailableError, match="requested lease not found"):
+        # The error the node's rejoin acts on (membership.node): the lease is gone.
+        with pytest.raises(LeaseGoneError, match="no longer holds lease"):
             etcd.put(f"{prefix}/late", b"z", lease=lease)
 
     def test_a_prefix_watch_mirrors_puts_and_deletes_in_revision_order(

@@ -1,6 +1,6 @@
 """In-memory stand-ins for unit tests (each next to a test of the real thing).
 
-:class:`FakeEtcd` duck-types :class:`elastic.etcd.EtcdClient` with etcd's semantics: one global
+:class:`FakeEtcd` duck-types :class:`membership.etcd.EtcdClient` with etcd's semantics: one global
 revision, create/mod revisions per key, leases that expire on a fake clock (:meth:`advance`) and
 delete their keys, prefix watches that deliver events on their own thread (the first snapshot
 from the constructor, as the real watch does), transactions that take one revision and deliver
@@ -21,7 +21,7 @@ from datetime import timedelta
 from typing import Any
 
 from elastic.errors import EtcdUnavailableError
-from elastic.etcd import EtcdConfig, KeyValue, Lease, WatchEvent
+from membership.etcd import EtcdConfig, KeyValue, Lease, LeaseGoneError, WatchEvent
 
 
 @dataclass
@@ -31,7 +31,7 @@ class _LeaseRecord:
 
 
 class FakePrefixWatch:
-    """The in-memory twin of :class:`elastic.etcd.PrefixWatch`."""
+    """The in-memory twin of :class:`membership.etcd.PrefixWatch`."""
 
     def __init__(
         self, fake: FakeEtcd, prefix: str,
@@ -168,10 +168,8 @@ class FakeEtcd:
         """Writes one key; within a transaction (``revision`` given) its event joins
         ``batch``, which the caller delivers once: one revision, one batch, as etcd does."""
         if lease and lease not in self._leases:
-            raise EtcdUnavailableError(
-                f"etcd ({self.endpoints_text}) rejected the request with HTTP 404 "
-                "(etcdserver: requested lease not found); check the request."
-            )
+            raise LeaseGoneError(f"etcd ({self.endpoints_text}) no longer holds lease "
+                                 f"{lease:x} (it expired or was revoked)")
         if revision is None:
             revision = self._bump()
         old = self._kv.get(key)
@@ -360,6 +358,6 @@ class FakeEtcd:
 
 
 def fake_client(fake: FakeEtcd) -> Any:
-    """``fake`` typed as :class:`elastic.etcd.EtcdClient` for the code under test."""
+    """``fake`` typed as :class:`membership.etcd.EtcdClient` for the code under test."""
     return fake
 

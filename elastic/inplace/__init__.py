@@ -5,7 +5,7 @@ managed ``ElasticLoop`` (``loop.batches()``/``loop.backward()``) or ``loop.step_
 runs in place: a worker process lives as long as it can train; nobody restarts it because
 another worker or node came or went. Design:
 
-* **Membership is the agents'** (:mod:`elastic.rdzv`): every node agent holds its node's
+* **Membership is the agents'** (:mod:`membership`): every node agent holds its node's
   record on its own etcd lease, and an elected leader writes each new world (epoch,
   members in rank order, the store its groups meet on) by compare-and-swap. Workers never
   talk to etcd: their agent passes every world to them over a local socket

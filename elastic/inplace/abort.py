@@ -7,7 +7,7 @@ collective with that member, or in the build of a world that member will never j
 promptly and leaves the process alive to build the next world.
 
 * **gloo** has no abort that works while the group is referenced (see
-  :mod:`~elastic.inplace.sockets`). The world's TCP connections are shut down instead: those
+  :mod:`torch_private`). The world's TCP connections are shut down instead: those
   opened since the ``WorldAbort`` was created (before the store client and the groups were
   built), minus the fds and remote ports the owner excludes. A blocked gloo collective fails
   with "connection closed"; a blocked store wait (``init_process_group`` waiting for a member)
@@ -40,12 +40,17 @@ import time
 from collections.abc import Callable, Collection
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
-from elastic.inplace.sockets import opened_since, sever_sockets, socket_inodes
+from torch_private import (
+    abort_backends,
+    accelerator_backends,
+    opened_since,
+    sever_sockets,
+    socket_inodes,
+)
 
-__all__ = ["WorldAbort", "WorldAbortedError", "accelerator_backends"]
+__all__ = ["WorldAbort", "WorldAbortedError"]
 
 logger = logging.getLogger(__name__)
 
@@ -55,28 +60,6 @@ class WorldAbortedError(dist.DistError):
 
     A ``DistError`` so that :func:`~elastic.inplace.controller.is_peer_failure` counts it.
     """
-
-
-def accelerator_backends(group: Any) -> list[Any]:
-    """The backends of ``group`` that own accelerator communicators (NCCL, XCCL...), not gloo.
-
-    Args:
-        group: A ``torch.distributed.ProcessGroup`` (or an object with its
-            ``_device_types``/``_get_backend`` interface).
-    """
-    found: list[Any] = []
-    for device_type in getattr(group, "_device_types", ()):
-        kind = getattr(device_type, "type", str(device_type))
-        if kind == "cpu":
-            continue
-        try:
-            backend = group._get_backend(torch.device(kind))
-        except RuntimeError:  # no backend for this device type
-            continue
-        name = str(backend.name()).lower()
-        if name != "gloo" and all(backend is not b for b in found):
-            found.append(backend)
-    return found
 
 
 class WorldAbort:
@@ -204,29 +187,5 @@ class WorldAbort:
         # Accelerator communicators first: ncclCommAbort closes NCCL's own sockets, so they
         # are gone (and skipped) by the time the rest of the world's connections are shut.
         if backends:
-            _abort_backends(backends)
+            abort_backends(backends)
         return sever_sockets(sockets)
-
-
-def _abort_backends(backends: list[Any]) -> None:
-    """Aborts accelerator communicators, the way ``_abort_process_group`` does for a world.
-
-    Several NCCL communicators are aborted inside one NCCL group so that their aborts cannot
-    deadlock each other (pytorch#119797).
-    """
-    first = backends[0]
-    grouped = len(backends) > 1 and hasattr(first, "_group_start")
-    if grouped:
-        first._group_start()
-    try:
-        for backend in backends:
-            try:
-                backend.abort()
-            except Exception:  # already aborted or shut down: nothing left to cancel
-                logger.debug("aborting backend %r failed", backend, exc_info=True)
-    finally:
-        if grouped:
-            try:
-                first._group_end()
-            except Exception:
-                logger.debug("ending the NCCL group of the abort failed", exc_info=True)

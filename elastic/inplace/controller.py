@@ -38,11 +38,23 @@ from typing import Any, Final, Protocol
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import TCPStore
 
 from elastic import env
 from elastic.agent_link import AgentLink
 from elastic.context import ElasticContext, World
+from elastic.contract.messages import (
+    AgentMessage,
+    BuildFailed,
+    Declare,
+    Finished,
+    Progress,
+    Ready,
+    Resumed,
+    Stalled,
+    Suspect,
+    Waiting,
+)
+from elastic.contract.records import WorldRecord
 from elastic.failures import is_peer_failure_type
 from elastic.inplace.abort import WorldAbort
 from elastic.inplace.groups import abort_groups, build_groups, set_group_timeout, standby_groups
@@ -54,8 +66,8 @@ from elastic.inplace.step_fence import (
     step_fence_from_env,
 )
 from elastic.process_group import ProcessGroups
-from elastic.rdzv.records import WorldRecord
 from elastic_errors import ConfigError, ElasticError, JobFatalError
+from torch_private import TCPStore
 
 
 class ElasticLoop(Protocol):
@@ -81,11 +93,6 @@ DEFAULT_BUILD_TIMEOUT_S: Final = 10.0
 DEFAULT_HANG_TIMEOUT_S: Final = 10.0
 DEFAULT_HANG_FACTOR: Final = 10.0
 DEFAULT_MAX_STEP_RETRIES: Final = 3
-#: Waiting in a collective this long (or this many median steps, if longer) makes the agent
-#: look for a peer host that went silent (launch.silent_peers): cheap, and it acts only on
-#: two independent signs, so it can start early.
-STALL_FLOOR_S: Final = 0.5
-STALL_FACTOR: Final = 3.0
 _EVIDENCE_TIMEOUT_S: Final = 4.0  # a crash is reported in ~0.1 s, a silent host in ~ttl
 _MAX_BUILDS: Final = 100
 _STEP_TIMES: Final = 50
@@ -155,7 +162,7 @@ class InPlaceController:
         self._failed_at: float | None = None
         self._retries: dict[int, int] = {}
         self._tried_epoch = 0
-        # Progress rule (see elastic.rdzv.proposal.laggards).
+        # Progress rule (see membership.proposal.laggards).
         self.hang_timeout = _env_number(env.HANG_TIMEOUT, DEFAULT_HANG_TIMEOUT_S)
         self.hang_factor = _env_number(env.HANG_FACTOR, DEFAULT_HANG_FACTOR)
         self._step_times: deque[float] = deque(maxlen=_STEP_TIMES)
@@ -189,7 +196,7 @@ class InPlaceController:
             return
         self.declared = True
         if not self.deferred:
-            self.link.send("declare", inplace=True, max_world=global_batch)
+            self.link.send(Declare(inplace=True, max_world=global_batch))
 
     # -- membership evidence ----------------------------------------------------------------
 
@@ -224,7 +231,7 @@ class InPlaceController:
         return (world is not None and newest is not None and newest.epoch > world.epoch
                 and self.me not in newest.ranks() and self.me not in newest.departed)
 
-    def _on_message(self, message: dict[str, Any]) -> None:
+    def _on_message(self, message: AgentMessage | None = None) -> None:
         """Aborts the current world (or the one being built) when membership says so."""
         guard = self._guard
         if guard is None or guard.aborted:
@@ -263,7 +270,7 @@ class InPlaceController:
         self._step = self.link.step = self._completed = step + 1
         if self._reported_waiting is not None or self._reported_stalled is not None:
             self._reported_waiting = self._reported_stalled = None
-            self.link.send("resumed")
+            self.link.send(Resumed())
 
     def hang_threshold(self) -> float:
         """Seconds of waiting in a collective after which a peer is reported as holding it."""
@@ -272,10 +279,12 @@ class InPlaceController:
         return max(self.hang_timeout, self.hang_factor * statistics.median(self._step_times))
 
     def stall_threshold(self) -> float:
-        """Seconds of waiting in a collective after which the agent checks for silent peers."""
-        if not self._step_times:
+        """Seconds of waiting in a collective after which the agent checks for silent peers
+        (the agent's rule, :mod:`membership.silent_peers`, passed on in its welcome)."""
+        rule = self.link.stall
+        if not self._step_times or rule is None:
             return float("inf")
-        return max(STALL_FLOOR_S, STALL_FACTOR * statistics.median(self._step_times))
+        return max(rule.floor_s, rule.factor * statistics.median(self._step_times))
 
     def _tick(self) -> None:
         """Heartbeat-thread check: report progress, and report waiting past the threshold."""
@@ -284,19 +293,19 @@ class InPlaceController:
         # job from an etcd outage by whether its workers still train).
         if self._completed != self._reported_step:
             self._reported_step = self._completed
-            self.link.send("progress", step=self._completed)
+            self.link.send(Progress(self._completed))
         arrived, world = self._arrived, self.world
         if arrived is None or world is None:
             return
         waited = time.monotonic() - arrived[1]
         if self._reported_stalled != (world.epoch, arrived[0]) and waited > self.stall_threshold():
             self._reported_stalled = (world.epoch, arrived[0])
-            self.link.send("stalled", epoch=world.epoch, step=arrived[0])
+            self.link.send(Stalled(world.epoch, arrived[0]))
         if self._reported_waiting != arrived[0] and waited > self.hang_threshold():
             self._reported_waiting = arrived[0]
             logger.warning("waited %.1f s in the collective of step %d: reporting it",
                            time.monotonic() - arrived[1], arrived[0])
-            self.link.send("waiting", epoch=world.epoch, step=arrived[0])
+            self.link.send(Waiting(world.epoch, arrived[0]))
 
     # -- building worlds --------------------------------------------------------------------
 
@@ -313,8 +322,8 @@ class InPlaceController:
     def _exit_if_over(self) -> None:
         end = self.link.end
         if end is not None:
-            logger.info("the run ended (%s): %s", end.get("outcome"), end.get("reason"))
-            raise SystemExit(0 if end.get("outcome") == "finished" else 1)
+            logger.info("the run ended (%s): %s", end.outcome, end.reason)
+            raise SystemExit(0 if end.outcome == "finished" else 1)
         if self.link.evicted is not None:
             logger.warning("evicted by the agent: %s", self.link.evicted)
             raise SystemExit(1)
@@ -331,7 +340,7 @@ class InPlaceController:
                            on_abort=self.fence.on_abort if self.fence is not None else None)
         self._guard, self._building = guard, world
         started = time.monotonic()
-        self._on_message({})  # a change that landed before the guard existed
+        self._on_message()  # a change that landed before the guard existed
         try:
             guard.check()
             client = TCPStore(world.store[0], world.store[1], is_master=False,
@@ -348,7 +357,7 @@ class InPlaceController:
             self._building = None
             # Nobody else may know (the others may be waiting for this worker): the leader
             # writes this world again once its members' builds have all ended.
-            self.link.send("build_failed", epoch=world.epoch)
+            self.link.send(BuildFailed(world.epoch))
             return None
         self._building = None
         if self.train_timeout is not None:
@@ -357,7 +366,7 @@ class InPlaceController:
         self.reconfigurations += 1
         logger.info("world epoch %d built in %.3fs: rank %d of %d", world.epoch,
                     time.monotonic() - started, rank, world.world_size)
-        self._on_message({})  # a loss reported during the build: abort now, not at a timeout
+        self._on_message()  # a loss reported during the build: abort now, not at a timeout
         return groups
 
     def _drop_world(self) -> None:
@@ -423,7 +432,7 @@ class InPlaceController:
         if self.deferred:
             self.deferred = False
             started = time.monotonic()
-            self.link.send("ready", inplace=True, max_world=self.global_batch)
+            self.link.send(Ready(inplace=True, max_world=self.global_batch))
             self._install(self.join(self.join_timeout))
             logger.info("admitted to world epoch %d in %.3fs after entering the loop",
                         self.world.epoch if self.world else -1, time.monotonic() - started)
@@ -532,7 +541,7 @@ class InPlaceController:
         world = self.world
         if world is not None:
             nodes = [n for n in world.nodes() if n != self.link.node]
-            self.link.send("suspect", nodes=nodes)
+            self.link.send(Suspect(tuple(nodes)))
         return self.link.wait(lambda _l: bool(self._peers_lost(world)) or
                               (guard is not None and guard.aborted),
                               _EVIDENCE_TIMEOUT_S)
@@ -553,7 +562,7 @@ class InPlaceController:
             return True
         world = self.world
         if world is not None:
-            self.link.send("suspect", nodes=[n for n in world.nodes() if n != self.link.node])
+            self.link.send(Suspect(tuple(n for n in world.nodes() if n != self.link.node)))
         return False
 
     def abandon(self, exc: BaseException, step: int) -> None:
@@ -708,7 +717,7 @@ class InPlaceController:
                                "the job's (this node's lease is not fresh): not ending the job",
                                step, self.world.epoch)
                 raise SystemExit(1)
-            self.link.send("finished", step=step)
+            self.link.send(Finished(step))
         self.link.close()
 
 

@@ -32,11 +32,18 @@ from typing import Final
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import HashStore, PrefixStore, Store
 
 from elastic import env
 from elastic.inplace.abort import WorldAbort
 from elastic.process_group import ProcessGroups, set_nccl_error_handling
+from torch_private import (
+    HashStore,
+    PrefixStore,
+    Store,
+    abort_process_group,
+    reset_group_names,
+    set_pg_timeout,
+)
 
 __all__ = ["GLOO_CONNECT_WAIT_FACTOR", "abort_groups", "build_groups",
            "nccl_handling_in_place", "set_group_timeout", "standby_groups"]
@@ -120,15 +127,13 @@ def _meet(store: Store, world_size: int, timeout: timedelta) -> None:
 def set_group_timeout(timeout: timedelta, *groups: dist.ProcessGroup) -> None:
     """Sets the collective timeout of built ``groups`` (locally: no barrier).
 
-    Uses ``torch.distributed.distributed_c10d._set_pg_timeout`` (private, present since torch
-    2.2); without it the groups keep the timeout they were built with.
+    Uses a private torch API (:func:`torch_private.set_pg_timeout`); without it the groups
+    keep the timeout they were built with.
     """
-    set_timeout = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
-    if set_timeout is None:
-        logger.warning("torch has no _set_pg_timeout: groups keep their build timeout")
-        return
     for group in groups:
-        set_timeout(timeout, group)
+        if not set_pg_timeout(timeout, group):
+            logger.warning("torch has no _set_pg_timeout: groups keep their build timeout")
+            return
 
 
 def standby_groups(backend: str, device: torch.device, timeout: timedelta) -> ProcessGroups:
@@ -150,9 +155,7 @@ def _reset_group_names() -> None:
     next world's members would then rendezvous under different names and never meet. Every
     member builds a world's groups in the same order from a fresh counter.
     """
-    world = getattr(dist.distributed_c10d, "_world", None)
-    if world is not None and not dist.is_initialized():
-        world.group_count = 0
+    reset_group_names()
 
 
 def abort_groups(world_abort: WorldAbort | None = None) -> None:
@@ -169,10 +172,8 @@ def abort_groups(world_abort: WorldAbort | None = None) -> None:
     backend = dist.get_backend()
     if backend == "nccl":
         # NCCL: cancel in-flight kernels first, or destroy may wait forever on a dead peer.
-        abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
-        if abort is not None:
-            with contextlib.suppress(Exception):
-                abort()
+        with contextlib.suppress(Exception):
+            if abort_process_group():
                 return
     try:
         dist.destroy_process_group()

@@ -19,6 +19,7 @@ import time
 from typing import Any, Final
 
 from elastic.agent_link import AgentLink, current_link, link_from_env
+from elastic.contract.messages import Drained, Progress, WorkerMessage
 from elastic.eventlog import EventLog
 from elastic.integrations._world import WorkerWorld
 
@@ -53,10 +54,10 @@ class Reporter:
         self.events.record(event, round=self.world.round, durable=self.world.rank == 0,
                            **fields)
 
-    def tell(self, kind: str, **fields: Any) -> None:
+    def tell(self, message: WorkerMessage) -> None:
         """Sends a message to the node agent (nothing without one)."""
         if self.link is not None:
-            self.link.send(kind, **fields)
+            self.link.send(message)
 
     def step(self, index: int, duration_s: float) -> None:
         """Step ``index`` (0-based) completed after ``duration_s`` of compute."""
@@ -65,7 +66,7 @@ class Reporter:
             now = time.monotonic()
             if now - self._progress_told >= PROGRESS_EVERY_S:
                 self._progress_told = now
-                self.tell("progress", step=index + 1)
+                self.tell(Progress(index + 1))
         self._record("step", step=index, duration_s=round(max(0.0, duration_s), 4),
                      world=self.world.world_size)
 
@@ -89,7 +90,7 @@ class Reporter:
     def drained(self, step: int) -> None:
         """Stopped at ``step`` after a final checkpoint: a planned stop, not a failure."""
         logger.info("drained at step %d", step)
-        self.tell("drained", step=step)
+        self.tell(Drained(step))
         self.flush()
 
     def flush(self) -> None:

@@ -60,6 +60,7 @@ from torch import nn
 from elastic import env
 from elastic.batching import BatchPlan, plan_batches
 from elastic.boundary_flags import AgreementCadence, BoundaryFlags
+from elastic.contract.messages import Drained, Progress
 from elastic.eventlog import EventLog
 from elastic.loop.agreement import StepAgreement
 from elastic.loop.audit import SampleAudit
@@ -417,7 +418,7 @@ class ElasticLoop(MicroBatching, ManagedWay, InPlaceHooks, StepAgreement, LoopRe
             self.saves.reserve(state)  # staging buffers, now that the state exists
         if drain:
             logger.info("drained at step %d", self.step)
-            tell_agent("drained", step=self.step)
+            tell_agent(Drained(self.step))
         if started is not None:
             compute = max(0.0, time.monotonic() - started - self.saves.blocked_s)
             if self._inplace is not None:
@@ -426,7 +427,7 @@ class ElasticLoop(MicroBatching, ManagedWay, InPlaceHooks, StepAgreement, LoopRe
                 # The agent tells a node cut off from the job from a job-wide etcd outage by
                 # whether its workers still train (in place the controller reports steps).
                 self._progress_told = time.monotonic()
-                tell_agent("progress", step=self.step)
+                tell_agent(Progress(self.step))
             # The step's compute and its agreement; checkpoint stalls are their own events.
             self._record("step", round=self._round, step=self.step - 1,
                          duration_s=round(compute, 4),

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from elastic.batching import BatchPlan
+from elastic.contract.messages import WorkerMessage
 from elastic.eventlog import EventLog
 from elastic.loop.audit import SampleAudit
 
@@ -48,10 +49,10 @@ class LoopReporting:
                           source=heal.source if heal else -1)
 
 
-def tell_agent(kind: str, **fields: Any) -> None:
+def tell_agent(message: WorkerMessage) -> None:
     """Sends a message to the node agent when elastic-run runs this worker (else nothing)."""
     from elastic.agent_link import current_link
 
     link = current_link()
     if link is not None:
-        link.send(kind, **fields)
+        link.send(message)

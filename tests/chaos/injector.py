@@ -32,6 +32,9 @@ kill_etcd_member   SIGKILL etcd member ``member``; restarted ``duration`` s late
 partition_node     blackhole the node's etcd proxies for ``duration`` s (its workers' gloo links
                    to the other nodes stay up: only its path to etcd is cut)
 storage_outage     reset every connection to S3 for ``duration`` s
+pause_etcd         SIGSTOP every etcd member for ``duration`` s (5 s when drawn: past the 3 s
+                   lease TTL, so every node's lease expires), then SIGCONT: every node takes a
+                   new lease and joins again, and the job trains on without reading storage
 =================  ==============================================================================
 
 The partition is a per-node proxy, not network namespaces with nftables: this machine has
@@ -83,9 +86,12 @@ logger = logging.getLogger(__name__)
 
 REPO = Path(__file__).resolve().parents[2]
 KINDS = ("kill_worker", "kill_node", "sigstop_worker", "kill_etcd_member", "partition_node",
-         "storage_outage")
+         "storage_outage", "pause_etcd")
 #: Faults whose effect lasts ``duration`` seconds.
-TIMED = frozenset({"sigstop_worker", "kill_etcd_member", "partition_node", "storage_outage"})
+TIMED = frozenset({"sigstop_worker", "kill_etcd_member", "partition_node", "storage_outage",
+                   "pause_etcd"})
+#: How long a drawn ``pause_etcd`` lasts: past the agents' lease TTL (3 s).
+PAUSE_ETCD_S = 5.0
 GATE_AHEAD = 4
 _POLL_S = 0.1
 _WORKER_WAIT_S = 20.0
@@ -126,8 +132,8 @@ class Fault:
 
     def describe(self) -> str:
         when = f"step {self.at_step}" if self.at_step is not None else f"t+{self.at_time}s"
-        what = {"kill_etcd_member": f"member {self.member}",
-                "storage_outage": "storage"}.get(self.kind, f"node {self.node}")
+        what = {"kill_etcd_member": f"member {self.member}", "storage_outage": "storage",
+                "pause_etcd": "every member"}.get(self.kind, f"node {self.node}")
         timed = f" for {self.duration:g}s" if self.kind in TIMED else ""
         return f"{self.kind} {what}{timed} at {when}"
 
@@ -514,6 +520,15 @@ class ChaosRun:
             for proxy in node.proxies:
                 proxy.heal()
             return f"ok: {sum(p.faulted for p in node.proxies) - before} etcd connections held"
+        elif kind == "pause_etcd":
+            members = self.env.etcd.members
+            for member in members:
+                member.pause()
+            try:
+                time.sleep(fault.duration)
+            finally:
+                for member in members:
+                    member.resume()
         elif kind == "storage_outage":
             assert s3_proxy is not None
             before = s3_proxy.faulted
@@ -669,8 +684,10 @@ def random_faults(rng: random.Random, count: int, *, nodes: int, steps: int,
     faults = []
     for step in at:
         kind = rng.choice(list(kinds))
+        duration = round(rng.uniform(1.0, 6.0), 1)
         faults.append(Fault(kind, at_step=step, node=rng.randrange(nodes),
-                            member=rng.randrange(3), duration=round(rng.uniform(1.0, 6.0), 1),
+                            member=rng.randrange(3),
+                            duration=PAUSE_ETCD_S if kind == "pause_etcd" else duration,
                             rejoin_after=round(rng.uniform(0.0, 8.0), 1)))
     return faults
 

@@ -82,10 +82,13 @@ from tests.support.netns_job import (
 logger = logging.getLogger(__name__)
 
 KINDS: Final = ("kill_worker", "kill_node", "sigstop_worker", "hang_worker", "silent_host",
-                "host_returns", "etcd_partition", "kill_etcd_member", "storage_outage")
+                "host_returns", "etcd_partition", "kill_etcd_member", "storage_outage",
+                "pause_etcd")
 #: Faults whose effect lasts ``duration`` seconds.
 TIMED: Final = frozenset({"sigstop_worker", "hang_worker", "host_returns", "etcd_partition",
-                          "kill_etcd_member", "storage_outage"})
+                          "kill_etcd_member", "storage_outage", "pause_etcd"})
+#: How long ``pause_etcd`` (every etcd member SIGSTOPped) lasts: past the lease TTL (3 s).
+PAUSE_ETCD_S: Final = 5.0
 #: Faults that start a new agent ``rejoin_after`` seconds later.
 REJOINING: Final = frozenset({"kill_node", "silent_host"})
 ETCD_MEMBERS: Final = 3
@@ -131,8 +134,8 @@ class NetnsFault:
                              "not be negative.")
 
     def describe(self) -> str:
-        what = {"kill_etcd_member": f"member {self.member}",
-                "storage_outage": "storage"}.get(self.kind, f"node {self.node}")
+        what = {"kill_etcd_member": f"member {self.member}", "storage_outage": "storage",
+                "pause_etcd": "every member"}.get(self.kind, f"node {self.node}")
         timed = f" for {self.duration:g}s" if self.kind in TIMED else ""
         rejoin = f", new agent after {self.rejoin_after:g}s" if self.kind in REJOINING else ""
         return f"{self.kind} {what}{timed}{rejoin} at step {self.at_step}"
@@ -185,6 +188,7 @@ def random_netns_faults(rng: random.Random, count: int, *, nodes: int, steps: in
             "host_returns": (LONG_CUT_S + 8.0 * short) if long_cuts and long_ < 0.25
             else 2.0 + 10.0 * short,
             "etcd_partition": 1.0 + 7.0 * short,
+            "pause_etcd": PAUSE_ETCD_S,
         }.get(kind, 1.0 + 5.0 * short)
         faults.append(NetnsFault(kind, at_step=step, node=node, member=member,
                                  duration=round(duration, 1), rejoin_after=rejoin_after))
@@ -602,6 +606,15 @@ class NetnsChaosRun:
             member.kill()
             time.sleep(fault.duration)
             member.start()
+            return "ok"
+        if kind == "pause_etcd":
+            for member in cluster.etcd:
+                member.pause()
+            try:
+                time.sleep(fault.duration)
+            finally:
+                for member in cluster.etcd:
+                    member.resume()
             return "ok"
         assert kind == "storage_outage" and self.storage is not None
         before = self.storage.proxy.faulted

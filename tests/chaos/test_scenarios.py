@@ -25,6 +25,9 @@ SCENARIOS = {
     # Longer than the member lease (3 s): the others see the node lost and go on without it.
     "node_partitioned_from_etcd": [Fault("partition_node", at_step=6, node=1, duration=6.0)],
     "storage_outage": [Fault("storage_outage", at_step=4, duration=4.0)],
+    # Every member SIGSTOPped past the lease TTL (3 s): every lease expires, every node
+    # takes a new one and joins again; the job finishes with the undisturbed weights.
+    "etcd_paused_past_the_lease_ttl": [Fault("pause_etcd", at_step=6, duration=5.0)],
 }
 
 

@@ -76,7 +76,7 @@ def test_unreachable_etcd_fails_within_the_deadline_naming_the_endpoints() -> No
 
 @pytest.mark.etcd
 def test_corrupt_rendezvous_state_is_a_one_sentence_error(etcd: Any) -> None:
-    from elastic.etcd import EtcdClient, EtcdConfig
+    from membership.etcd import EtcdClient, EtcdConfig
 
     job = f"corrupt-{uuid.uuid4().hex[:8]}"
     client = EtcdClient(EtcdConfig(endpoints=(etcd.endpoint,)))
@@ -97,7 +97,7 @@ def test_nproc_per_node_0_is_refused_in_one_sentence_before_anything_starts(
     etcd: Any, tmp_path: Path
 ) -> None:
     """Issue 13, acceptance 3: no etcd key written, no worker started, one line of output."""
-    from elastic.etcd import EtcdClient, EtcdConfig
+    from membership.etcd import EtcdClient, EtcdConfig
 
     job = f"nproc0-{uuid.uuid4().hex[:8]}"
     out = tmp_path / "steps.csv"
@@ -111,6 +111,30 @@ def test_nproc_per_node_0_is_refused_in_one_sentence_before_anything_starts(
     client = EtcdClient(EtcdConfig(endpoints=(etcd.endpoint,)))
     try:
         assert client.get_prefix(f"/elastic/{job}") == []
+    finally:
+        client.close()
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("command", [(), ("status",)], ids=["run", "status"])
+def test_a_job_id_the_rendezvous_would_refuse_is_refused_in_one_sentence(
+    etcd: Any, tmp_path: Path, command: tuple[str, ...]
+) -> None:
+    """Issue 25: ``--job-id a/b`` ran with its keys under /elastic/a/b/, inside job a's."""
+    from membership.etcd import EtcdClient, EtcdConfig
+
+    parent = f"parent-{uuid.uuid4().hex[:8]}"
+    out = tmp_path / "steps.csv"
+    script = () if command else (str(WORKER), "--out", str(out), "--ckpt",
+                                 str(tmp_path / "ckpt"))
+    proc = _elastic_run(*command, "--etcd", etcd.endpoint, "--job-id", f"{parent}/b", *script)
+    assert proc.returncode == 2, proc.stderr
+    assert _error_line(proc) == (
+        f"the job id ('{parent}/b') must be non-empty, without '/' or surrounding spaces; "
+        "pass --job-id.")
+    client = EtcdClient(EtcdConfig(endpoints=(etcd.endpoint,)))
+    try:
+        assert client.get_prefix(f"/elastic/{parent}") == []
     finally:
         client.close()
     assert not out.exists()

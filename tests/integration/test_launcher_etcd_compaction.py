@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from elastic.etcd import b64
+from membership.etcd import b64
 from tests.integration.launcher_scripts.harness import cluster, wait_until
 from tests.support.etcd_required import etcd_binary
 

@@ -21,8 +21,8 @@ from typing import Any
 
 import pytest
 
-from elastic.etcd import EtcdClient, EtcdConfig
-from elastic.rdzv.keys import JobKeys
+from membership.etcd import EtcdClient, EtcdConfig
+from membership.keys import JobKeys
 from tests.integration.launcher_scripts.harness import cluster, etcd_or_skip
 
 pytestmark = [pytest.mark.etcd, pytest.mark.slow]

@@ -18,9 +18,9 @@ from typing import Any
 
 import pytest
 
-from elastic.etcd import EtcdClient, EtcdConfig
-from elastic.rdzv.keys import JobKeys
-from elastic.rdzv.records import EndRecord, GenerationRecord
+from elastic.contract.records import EndRecord, GenerationRecord
+from membership.etcd import EtcdClient, EtcdConfig
+from membership.keys import JobKeys
 from tests.integration.launcher_scripts.harness import cluster, etcd_or_skip
 from tests.integration.training.inplace_job import InPlaceJob
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from elastic.etcd import EtcdConfig
+from membership.etcd import EtcdConfig
 from tests.integration.launcher_scripts.harness import (
     REPO,
     WORKER,

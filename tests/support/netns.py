@@ -139,7 +139,7 @@ from tests.support.netns_names import (
 )
 
 if TYPE_CHECKING:
-    from elastic.etcd import EtcdClient
+    from membership.etcd import EtcdClient
 
 logger = logging.getLogger(__name__)
 
@@ -404,7 +404,7 @@ class NetnsCluster:
 
     def etcd_client(self, host: Host | None = None, *, request_timeout_s: float = 2.0,
                     deadline_s: float = 5.0) -> EtcdClient:
-        """An :class:`~elastic.etcd.EtcdClient` of every member whose calls all run in ``host``.
+        """An :class:`~membership.etcd.EtcdClient` of every member whose calls all run in ``host``.
 
         Args:
             host: where the client's connections start (the observer by default).
@@ -414,7 +414,7 @@ class NetnsCluster:
         Returns:
             The client seen through ``host.proxy``; the cluster closes it.
         """
-        from elastic.etcd import EtcdClient, EtcdConfig
+        from membership.etcd import EtcdClient, EtcdConfig
 
         if not self.etcd:
             raise ConfigError(f"{self!r} has no etcd member; pass etcd_members=1 or more.")

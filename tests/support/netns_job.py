@@ -599,9 +599,9 @@ def environ_of(pid: int) -> dict[str, str]:
 
 
 def current_world(cluster: NetnsCluster, job_id: str, key_prefix: str = "/elastic") -> Any:
-    """The job's current world record (:class:`~elastic.rdzv.records.WorldRecord`), read
+    """The job's current world record (:class:`~elastic.contract.records.WorldRecord`), read
     from etcd through the observer, or ``None``."""
-    from elastic.rdzv.records import WorldRecord
+    from elastic.contract.records import WorldRecord
 
     newest: tuple[int, Any] | None = None
     for kv in cluster.etcd_client().get_prefix(f"{key_prefix}/{job_id}/"):

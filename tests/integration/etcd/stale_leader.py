@@ -1,6 +1,6 @@
 """A real agent process for the deposed-leader tests (``test_deposed_leader.py``).
 
-It joins a run as one node with a real :class:`~elastic.rdzv.job.RunMembership` and leads if
+It joins a run as one node with a real :class:`~membership.job.RunMembership` and leads if
 it wins the election. Once ``--pause-file`` exists, the next world write it is about to send
 stops the whole process (SIGSTOP to itself, so its lease keep-alive stops too) right before
 the request leaves: the worst moment for a leader to be frozen. It first writes what it was
@@ -23,11 +23,11 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from elastic.etcd import EtcdClient, EtcdConfig
-from elastic.rdzv.job import RunMembership, new_node_id
-from elastic.rdzv.keys import JobKeys
-from elastic.rdzv.leader import RunLimits
-from elastic.rdzv.records import NodeRecord, WorkerSlot
+from elastic.contract.records import NodeRecord, WorkerSlot
+from membership.decide import RunLimits
+from membership.etcd import EtcdClient, EtcdConfig
+from membership.job import RunMembership, new_node_id
+from membership.keys import JobKeys
 
 #: The lease TTL of every node in these tests (etcd's minimum is about 2 s).
 TTL = 2

@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from elastic.etcd import EtcdClient, EtcdConfig
-from elastic.store import EtcdV3Store
+from membership.etcd import EtcdClient, EtcdConfig
+from membership.store import EtcdV3Store
 from tests.contracts import EtcdClientContract, StoreContract
 
 pytestmark = pytest.mark.etcd

@@ -30,11 +30,11 @@ from typing import Any
 
 import pytest
 
-from elastic.etcd import WatchEvent
-from elastic.rdzv.generation import open_run
-from elastic.rdzv.keys import JobKeys
-from elastic.rdzv.records import WorldRecord
-from elastic.rdzv.view import JobView
+from elastic.contract.records import WorldRecord
+from membership.etcd import WatchEvent
+from membership.generation import open_run
+from membership.keys import JobKeys
+from membership.view import JobView
 from tests.integration.etcd.stale_leader import LIMITS, TTL
 from tests.integration.etcd.test_rdzv_protocol import Sim, client_for
 from tests.integration.launcher_scripts.harness import REPO, wait_until

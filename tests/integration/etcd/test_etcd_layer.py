@@ -16,9 +16,9 @@ import pytest
 import requests
 
 from elastic.errors import ConfigError, EtcdUnavailableError
-from elastic.etcd import EtcdClient, EtcdConfig, Lease, keep_alive_period, parse_endpoints
 from launch.etcd_server import EmbeddedEtcd, EtcdBinaryNotFoundError, find_etcd_binary
-from launch.silent_peers import lease_unrefreshed
+from membership.etcd import EtcdClient, EtcdConfig, Lease, keep_alive_period, parse_endpoints
+from membership.silent_peers import lease_unrefreshed
 from tests.support.etcd_required import etcd_binary
 from tests.support.fault_proxy import FaultProxy
 
@@ -152,7 +152,7 @@ def test_a_failed_watch_resumes_once_etcd_answers_and_reports_what_changed(
 def test_a_lease_reads_as_unrefreshed_only_once_a_keep_alive_period_has_passed(
     client: EtcdClient,
 ) -> None:
-    # The silent-peer check's etcd half (launch.silent_peers): a lease refreshed within the
+    # The silent-peer check's etcd half (membership.silent_peers): a lease refreshed within the
     # last keep-alive period is fresh; one left alone for longer is not; a revoked one is gone.
     lease_id = client.grant_lease(3)
     assert client.lease_time_to_live(lease_id)[1] == 3
@@ -194,7 +194,7 @@ def test_a_watch_that_reconnects_after_a_compaction_resyncs_and_reports_what_it_
             writer.put(prefix + "new", b"2")
             revision = writer.put(f"{etcd_prefix}/elsewhere", b"x")
             _compact(etcd_server.endpoint, revision)
-            with caplog.at_level(logging.INFO, logger="elastic._etcd_watch"):
+            with caplog.at_level(logging.INFO, logger="membership._etcd_watch"):
                 proxy.heal()
                 # Resumed from a compacted revision, the watch reads a fresh snapshot and
                 # reports the difference from its mirror.

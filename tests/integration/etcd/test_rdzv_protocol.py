@@ -12,12 +12,12 @@ from datetime import timedelta
 
 import pytest
 
-from elastic.etcd import EtcdClient, EtcdConfig
-from elastic.rdzv.generation import end_run, open_run
-from elastic.rdzv.job import RunMembership, new_node_id
-from elastic.rdzv.keys import JobKeys
-from elastic.rdzv.leader import RunLimits
-from elastic.rdzv.records import EndRecord, NodeRecord, WorkerSlot, WorldRecord
+from elastic.contract.records import EndRecord, NodeRecord, WorkerSlot, WorldRecord
+from membership.decide import RunLimits
+from membership.etcd import EtcdClient, EtcdConfig
+from membership.generation import end_run, open_run
+from membership.job import RunMembership, new_node_id
+from membership.keys import JobKeys
 
 pytestmark = pytest.mark.etcd
 
@@ -207,8 +207,10 @@ def test_after_everyone_restarts_the_next_world_waits_for_the_new_incarnations(
 ) -> None:
     # Restart mode (workers not in-place capable). A node joins a running world of two: the
     # leader writes an empty "everyone restart" world; the records still show the old
-    # incarnations ready until each agent has restarted its workers. A world formed from
-    # them would be stale at once (a storm of restarts), even with every node present.
+    # incarnations ready (and running: a pid) until each agent has restarted its workers. A
+    # world formed from them would be stale at once (a storm of restarts), even with every
+    # node present; once every node shows a new incarnation that is not running yet (no pid),
+    # the world is complete and written at once.
     limits = RunLimits(min_nodes=2, max_nodes=3, last_call=1.0)
     sims += [Sim(etcd_server, keys, limits, port=4000 + i).join() for i in range(2)]
     for sim in sims:
@@ -216,6 +218,8 @@ def test_after_everyone_restarts_the_next_world_waits_for_the_new_incarnations(
             workers=(WorkerSlot(0, 1, True, False, 0),))
         sim.run.update(workers=sim.record.workers)
     first = wait_world(sims[0], lambda w: len(w.members) == 2 and w.mode == "restart")
+    for index, sim in enumerate(sims):  # their agents started the workers the world named
+        sim.run.update(workers=(WorkerSlot(0, 1, True, False, 100 + index),))
     late = Sim(etcd_server, keys, limits, port=4002)
     late.record = late.record.with_changes(workers=(WorkerSlot(0, 1, True, False, 0),))
     sims.append(late.join())

@@ -4,9 +4,9 @@ Used to check that the job then ends at once with the script's error (restarting
 repeat it). ``--error`` picks the exception type: a ``RuntimeError`` is also the type a dead
 peer's collective raises, so it exercises telling the two apart by membership evidence.
 
-``--kill-at N`` is a fault that survives every reconfiguration instead: the world's last rank
-SIGKILLs itself at step N, and in place its replacement (which joins as the last rank) does
-it again, so the survivors abandon step N over and over.
+``--kill-at N`` is a fault that survives reconfigurations instead: the world's last rank
+SIGKILLs itself at step N, and so does the last rank of the next world (or the replacement,
+which joins as the last rank), so the survivors abandon step N over and over.
 """
 
 from __future__ import annotations

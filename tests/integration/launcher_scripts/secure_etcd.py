@@ -18,7 +18,7 @@ from typing import Any
 
 import requests
 
-from elastic.etcd import b64, prefix_range_end
+from membership.etcd import b64, prefix_range_end
 from tests.support.etcd_required import etcd_required
 
 _ONE_DAY = datetime.timedelta(days=1)

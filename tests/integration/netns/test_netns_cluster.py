@@ -266,7 +266,7 @@ def test_etcd_in_its_own_namespace_serves_nodes_and_the_test_process(
     assert kv is not None and kv.value == b"from n0"
     # A thread started inside a call is born in the namespace too (watch/lease threads are):
     # this client is only ever used from such a thread.
-    from elastic.etcd import EtcdClient, EtcdConfig
+    from membership.etcd import EtcdClient, EtcdConfig
 
     plain = EtcdClient(EtcdConfig(endpoints=(member.endpoint,)))
     result: list[bytes] = []

@@ -21,9 +21,9 @@ import torch
 from torch import nn
 
 from checkpointing import CheckpointManager, ModelOptimizerState
-from elastic.etcd import EtcdClient, EtcdConfig
 from elastic.loop.audit import AUDIT_ENV
-from elastic.rdzv.status import read_job_status
+from membership.etcd import EtcdClient, EtcdConfig
+from membership.status import read_job_status
 from tests.integration.launcher_scripts.harness import REPO, Agent, Cluster, cluster, wait_until
 from tests.integration.training.inplace_audit import Audit, check_exactly_once, read_audit
 

@@ -15,6 +15,9 @@ collectives stay on gloo, which moves CUDA tensors: several ranks can share one 
 default, ``cpu``, is the CPU worker the CPU tests run. The ``gen`` record also says where
 the weights are (``device``).
 ``--step-time S`` sleeps at the start of every step (kills from outside land mid-step).
+``--pause-rank R --pause-at S --gil-pause G --slow-step L``: rank R, at step S of its first
+world, holds the GIL for G seconds (a garbage-collection pause: its heartbeat thread cannot
+run) and then makes that step L seconds long (a step ten times the median).
 ``--gate-file PATH`` holds step ``s`` until the file holds a number above ``s``, or until a
 worker waits to be admitted (it is admitted at the end of the released step).
 """
@@ -56,6 +59,17 @@ def _hold(gate_file: str, step: int, release: Callable[[], bool]) -> None:
         time.sleep(_GATE_POLL_S)
 
 
+def _pause(gil_s: float, slow_s: float) -> None:
+    """Holds the GIL for ``gil_s`` seconds (libc's sleep through ``ctypes.PyDLL``, which does
+    not release it: no other thread of the process runs, as in a long garbage collection),
+    then sleeps ``slow_s`` seconds more (a slow step)."""
+    import ctypes
+
+    if gil_s > 0:
+        ctypes.PyDLL(None).usleep(int(gil_s * 1e6))
+    time.sleep(slow_s)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--checkpoint-dir", required=True)
@@ -70,6 +84,10 @@ def main() -> int:
     parser.add_argument("--gate-file", default="")
     parser.add_argument("--setup-delay", type=float, default=0.0)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--pause-rank", type=int, default=-1)
+    parser.add_argument("--pause-at", type=int, default=-1)
+    parser.add_argument("--gil-pause", type=float, default=0.0)
+    parser.add_argument("--slow-step", type=float, default=0.0)
     args = parser.parse_args()
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # debugging a hang: kill -USR1
     logging.basicConfig(level=os.environ.get("LOGLEVEL", "INFO").upper(),
@@ -97,6 +115,7 @@ def main() -> int:
                 audit.write(json.dumps({"kind": "setup", "pid": os.getpid(), "phase": phase,
                                         "t": time.time()}) + "\n")
                 audit.flush()
+    paused: list[int] = []
     with audit_path.open("a") as audit, elastic.ElasticLoop(
         ctx, state={"train": ModelOptimizerState(model, optimizer), "scheduler": scheduler},
         checkpoint=checkpoint, sampler=sampler, max_steps=args.steps,
@@ -123,6 +142,9 @@ def main() -> int:
                 _hold(args.gate_file, step, lambda: ctx.inplace is not None
                       and ctx.inplace.change_pending())
                 time.sleep(args.step_time)
+                if step == args.pause_at and ctx.rank == args.pause_rank and not paused:
+                    paused.append(step)
+                    _pause(args.gil_pause, args.slow_step)
                 maybe_hang()  # a test may hold this rank here (ELASTIC_TEST_HANG_FILE)
                 if loader is None:  # one loader: it follows every world (any size)
                     loader = DataLoader(dataset, batch_sampler=loop.batch_sampler())

@@ -20,8 +20,9 @@ import torch
 import torch.distributed as dist
 
 from elastic.failures import is_peer_failure_type as is_peer_failure
-from elastic.inplace.abort import WorldAbort, WorldAbortedError, accelerator_backends
+from elastic.inplace.abort import WorldAbort, WorldAbortedError
 from elastic.process_group import NCCL_ASYNC_ERROR_HANDLING_ENV, set_nccl_error_handling
+from torch_private import accelerator_backends
 
 _ABORT_AFTER_S = 0.5
 #: The groups' and the store's timeout here: what a blocked call would wait without an abort.

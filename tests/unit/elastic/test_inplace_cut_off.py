@@ -14,7 +14,6 @@ import time
 from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -22,10 +21,20 @@ import torch
 from checkpointing import CheckpointManager
 from checkpointing.errors import CheckpointCommitError
 from elastic.agent_link import AgentLink
+from elastic.contract.messages import (
+    Evict,
+    Finished,
+    Hello,
+    Lease,
+    Welcome,
+    WorkerMessage,
+    World,
+)
+from elastic.contract.records import WorldMember, WorldRecord
 from elastic.inplace.abort import WorldAbort
 from elastic.inplace.controller import InPlaceController
-from elastic.rdzv.records import WorldMember, WorldRecord
 from launch.channel import ChannelServer, WorkerConnection
+from membership.silent_peers import STALL_RULE
 
 
 def test_a_fenced_commit_writes_no_commit_record_and_the_previous_one_stays_latest(
@@ -58,10 +67,9 @@ class _Agent:
         self.server = ChannelServer(self._on_message, lambda _c: None,
                                     accept=lambda pid: pid == os.getpid())
 
-    def _on_message(self, connection: WorkerConnection, message: dict[str, Any]) -> None:
-        if message.get("type") == "hello":
-            connection.send({"type": "welcome", "node": "n0", "worker": "n0/0.1",
-                             "world": None, "lease_ok": True, "end": None})
+    def _on_message(self, connection: WorkerConnection, message: WorkerMessage) -> None:
+        if isinstance(message, Hello):
+            connection.send(Welcome(node="n0", worker="n0/0.1", stall=STALL_RULE))
 
 
 @pytest.fixture
@@ -82,10 +90,10 @@ def test_the_controller_fences_commits_while_the_nodes_lease_is_not_fresh(
 ) -> None:
     agent, ctl = controller
     assert ctl.may_commit()
-    agent.server.broadcast({"type": "lease", "lease_ok": False})  # etcd unreachable
+    agent.server.broadcast(Lease(False))  # etcd unreachable
     assert ctl.link.wait(lambda link: not link.lease_ok, 5.0)
     assert not ctl.may_commit()
-    agent.server.broadcast({"type": "lease", "lease_ok": True})
+    agent.server.broadcast(Lease(True))
     assert ctl.link.wait(lambda link: link.lease_ok, 5.0)
     assert ctl.may_commit()
 
@@ -101,7 +109,7 @@ def test_the_controller_fences_commits_once_evicted_or_its_world_aborted(
     assert not ctl.may_commit()
     ctl._guard = WorldAbort(name="epoch 2")  # the next world, built
     assert ctl.may_commit()
-    agent.server.broadcast({"type": "evict", "reason": "held the step back"})
+    agent.server.broadcast(Evict("held the step back"))
     assert ctl.link.wait(lambda link: link.evicted is not None, 5.0)
     assert not ctl.may_commit()
 
@@ -114,7 +122,7 @@ def _world(epoch: int, *members: tuple[str, str], departed: tuple[str, ...] = ()
 
 
 def _tell(agent: _Agent, ctl: InPlaceController, world: WorldRecord) -> None:
-    agent.server.broadcast({"type": "world", "world": world.to_json()})
+    agent.server.broadcast(World(world))
     assert ctl.link.wait(lambda link: link.world is not None
                          and link.world.epoch == world.epoch, 5.0)
     time.sleep(0.1)  # the listener runs right after the world is applied
@@ -147,10 +155,10 @@ class _Recorder(_Agent):
     """An agent end that also keeps what the worker sent."""
 
     def __init__(self) -> None:
-        self.received: list[dict[str, Any]] = []
+        self.received: list[WorkerMessage] = []
         super().__init__()
 
-    def _on_message(self, connection: WorkerConnection, message: dict[str, Any]) -> None:
+    def _on_message(self, connection: WorkerConnection, message: WorkerMessage) -> None:
         self.received.append(message)
         super()._on_message(connection, message)
 
@@ -170,13 +178,13 @@ def test_a_rank_zero_cut_off_from_etcd_does_not_end_the_job_when_it_finishes() -
     agent = _Recorder()
     link, ctl = _finishing_rank0(agent)
     try:
-        agent.server.broadcast({"type": "lease", "lease_ok": False})
+        agent.server.broadcast(Lease(False))
         assert link.wait(lambda lk: not lk.lease_ok, 5.0)
         with pytest.raises(SystemExit) as exited:
             ctl.finish(60, finished=True)
         assert exited.value.code == 1
         time.sleep(0.2)
-        assert not [m for m in agent.received if m.get("type") == "finished"]
+        assert not [m for m in agent.received if isinstance(m, Finished)]
     finally:
         link.close()
         agent.server.close()
@@ -189,9 +197,9 @@ def test_a_rank_zero_in_the_jobs_world_ends_the_job_when_it_finishes() -> None:
         ctl.finish(60, finished=True)
         deadline = time.monotonic() + 5
         while time.monotonic() < deadline and not [
-                m for m in agent.received if m.get("type") == "finished"]:
+                m for m in agent.received if isinstance(m, Finished)]:
             time.sleep(0.05)
-        assert [m.get("step") for m in agent.received if m.get("type") == "finished"] == [60]
+        assert [m.step for m in agent.received if isinstance(m, Finished)] == [60]
     finally:
         link.close()
         agent.server.close()

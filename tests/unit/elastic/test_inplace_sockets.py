@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from elastic.inplace.sockets import WorldSockets, socket_inodes
+from torch_private import WorldSockets, socket_inodes
 
 _WAIT_S = 30.0
 

@@ -110,6 +110,10 @@ def test_standalone_uses_our_backend_and_a_fresh_job_id(script: str) -> None:
         ([], r"no etcd endpoint given"),
         (["--etcd", "a:1", "--rdzv-endpoint", "b:1"], r"--etcd \(a:1\) and --rdzv-endpoint"),
         (["--etcd", "a:1", "--max-restarts", "-1"], r"--max-restarts \(-1\) must be at least 0"),
+        (["--etcd", "a:1", "--job-id", "a/b"], r"the job id \('a/b'\) must be non-empty, "
+         r"without '/'"),
+        (["--etcd", "a:1", "--rdzv-id", " x"], r"the job id \(' x'\) must be"),
+        (["--standalone", "--job-id", "team/exp"], r"the job id \('team/exp'\)"),
     ],
 )
 def test_bad_input_is_one_sentence_naming_the_value(
@@ -118,6 +122,14 @@ def test_bad_input_is_one_sentence_naming_the_value(
     with pytest.raises(ConfigError, match=pattern) as info:
         cli.parse_args([*argv, script])
     assert str(info.value).count(". ") == 0 and str(info.value).endswith(".")
+
+
+def test_a_job_id_from_the_environment_is_checked_too(
+    script: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("ELASTIC_RUN_ID", "a/b")
+    with pytest.raises(ConfigError, match=r"the job id \('a/b'\)"):
+        cli.parse_args(["--etcd", "h:1", script])
 
 
 def test_missing_script_is_reported_by_path(tmp_path: Path) -> None:

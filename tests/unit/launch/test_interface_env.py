@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import socket
 
-from elastic.rdzv.job import interface_of, registered_address
 from launch.runner import interface_env
+from membership.address import interface_of, registered_address
 
 
 def _outbound_address() -> str:
