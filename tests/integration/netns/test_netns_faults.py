@@ -466,13 +466,14 @@ def workers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
         run.facts["stopped_alive"] = proctree.alive(stopped)
 
         # The replacement hangs live before its step's collective (its threads run on), once
-        # it completed a step of this world: the first forward of a new world rebuilds DDP's
-        # buckets with a collective that the progress rule does not watch (with the stopped
-        # worker replaced within a second, the hang could land there).
+        # it completed two steps of this world: DDP rebuilds its buckets once, in the forward
+        # of a new DDP's second step, with a collective that the progress rule does not watch
+        # (a hang after one step could land there, and the survivor then waited in it for
+        # gloo's 60 s timeout).
         job.run_ahead(40, STEPS)
         hung = run.agents[1].worker()
-        job.wait_for(lambda a: any(int(d["pid"]) == hung for d in a.done),
-                     "the replacement to complete a step", WAIT)
+        job.wait_for(lambda a: sum(int(d["pid"]) == hung for d in a.done) >= 2,
+                     "the replacement to complete two steps", WAIT)
 
         def hang_it() -> None:
             cluster.hang_worker(hung)
