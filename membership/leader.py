@@ -137,10 +137,18 @@ class LeaderLoop:
         lease = self._node.lease
         current = self._view.leader()
         if current == me and lease is not None and not lease.lost.is_set():
+            kv = self._view.leader_kv()
+            if kv is None or kv.lease != lease.id:
+                # The key of a lease this node lost (it joined again on a new one): that term
+                # is over, and the key goes with the old lease.
+                if self.leading:
+                    self._abdicate()
+                return False
+            if self.leading and self._term != kv.create_revision:
+                # Elected again under the same name (the view may show the new key without
+                # the old one's deletion, after a resync): write in the new term only.
+                self._abdicate()
             if not self.leading:
-                kv = self._view.leader_kv()
-                if kv is None:
-                    return False
                 self._become_leader(kv.create_revision)
             return True
         if self.leading:
