@@ -121,7 +121,11 @@ class FailureJudge:
         error still counts (every worker dying of it ends the job at once)."""
         report = slot.report or {}
         if report.get("before_stop") and report.get("error"):
-            self.note(report)
+            # The restart was for a world that names a peer of its world lost (a node
+            # killed): its survivors all die of that loss with one error text, at one step,
+            # which is no evidence of a bug in the script (two campaigns ended so).
+            self.note(report, own=report.get("peer_type") is False
+                      or not self._peers_lost_since(slot.started_for))
             logger.warning("worker %s failed (%s) as this node restarted its workers",
                            slot.local_id, report.get("error"))
 
@@ -193,9 +197,11 @@ class FailureJudge:
         """Whether a newer world names, as lost, a worker of another node that was in the
         failed worker's world, or another node of that world is dead (its agent's liveness
         port refuses): the failure was that peer's, not this worker's."""
-        before = failure.world
-        if failure.peer_node_dead:
-            return True
+        return failure.peer_node_dead or self._peers_lost_since(failure.world)
+
+    def _peers_lost_since(self, before: WorldRecord | None) -> bool:
+        """Whether a newer world than ``before`` names, as lost or evicted, a worker of
+        another node that was in ``before``."""
         newest = self._newest_world()
         if before is None or newest is None or newest.epoch <= before.epoch:
             return False
