@@ -136,6 +136,10 @@ class LeaderLoop:
         me = self._node.record.node
         lease = self._node.lease
         current = self._view.leader()
+        if (current is None and self.leading and self._term is not None
+                and lease is not None and not lease.lost.is_set()
+                and self._view.revision < self._term):
+            return True  # the view has not caught up with the election this node just won
         if current == me and lease is not None and not lease.lost.is_set():
             kv = self._view.leader_kv()
             if kv is None or kv.lease != lease.id:
