@@ -233,8 +233,9 @@ class Scenario:
         # 1. A world of 3; a worker SIGKILL (steps since the last save are redone).
         first = self.world_of(c, 3)
         self.run_to(c, first, first.resumed + EVERY + 2)
-        os.kill(self.worker_of(c, agents[1]), signal.SIGKILL)
-        after_kill = self.world_of(c, 3, after=first.round)
+        victim = self.worker_of(c, agents[1])
+        after_kill = self.fault_then_world(c, lambda: os.kill(victim, signal.SIGKILL), 3,
+                                           after=first.round)
         restores.append(("worker SIGKILL", after_kill,
                          self.newest_committed(first.resumed + EVERY + 2)))
 
@@ -244,6 +245,10 @@ class Scenario:
         wait_until(self.departure_noticed, WAIT_S, "node 2's agent to hear the notice",
                    give_up=c.all_exited)
         self.open_gate(after_kill.resumed + 30)
+        # The world after the drain resumes from its final checkpoint: from then on, hold
+        # every world at the step it resumes from (see fault_then_world).
+        self.wait(c, self.final_committed, "the drain's final checkpoint")
+        self.open_gate(0)
         codes: dict[str, int | None] = {"preempted": agents[2].wait(WAIT_S)}
         after_drain = self.world_of(c, 2, after=after_kill.round)
         restores.append(("preemption notice", after_drain,
@@ -251,8 +256,7 @@ class Scenario:
 
         # 3. Node 1's agent and worker SIGKILLed: node 0 goes on alone.
         self.run_to(c, after_drain, after_drain.resumed + 4)
-        agents[1].kill_tree()
-        alone = self.world_of(c, 1, after=after_drain.round)
+        alone = self.fault_then_world(c, agents[1].kill_tree, 1, after=after_drain.round)
         restores.append(("node SIGKILL", alone,
                          self.newest_committed(after_drain.resumed + 4)))
         self.run_to(c, alone, alone.resumed + 2)
@@ -310,6 +314,26 @@ class Scenario:
             return current is not None and len(current.held[count]) == current.world
 
         self.wait(c, found, f"round {r.round} to hold at step {count}")
+
+    def fault_then_world(self, c: Cluster, fault: Callable[[], object], size: int,
+                         after: int) -> Round:
+        """Injects ``fault`` into a world held at the gate and returns the next world of
+        ``size``, held at the step it resumed from.
+
+        The gate is closed first (0: every step is held): the next world resumes from the
+        newest committed checkpoint, which may be steps behind the gate the last world was
+        held at, and a worker started warm trains those steps in milliseconds, past the
+        count a later :meth:`run_to` asks for, before the test has even seen it resume
+        (it then waited forever for a hold that had gone by). The held world stays held.
+        """
+        self.open_gate(0)
+        fault()
+        return self.world_of(c, size, after=after)
+
+    def final_committed(self) -> bool:
+        """Whether a final checkpoint (a drain's) is committed."""
+        return any(record.get("meta", {}).get("final") is True
+                   for record in committed_steps(self.ckpt).values())
 
     def worker_of(self, c: Cluster, agent: Agent) -> int:
         return int(self.wait(c, lambda: (agent.worker_pids() or [0])[0],
