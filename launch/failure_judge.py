@@ -121,11 +121,15 @@ class FailureJudge:
         error still counts (every worker dying of it ends the job at once)."""
         report = slot.report or {}
         if report.get("before_stop") and report.get("error"):
-            # The restart was for a world that names a peer of its world lost (a node
-            # killed): its survivors all die of that loss with one error text, at one step,
-            # which is no evidence of a bug in the script (two campaigns ended so).
-            self.note(report, own=report.get("peer_type") is False
-                      or not self._peers_lost_since(slot.started_for))
+            # The restart was for a world that names lost a peer of its world whose node is
+            # gone (a node killed): its survivors all die of that loss with one error text, at
+            # one step, which is no evidence of a bug in the script (two campaigns ended so).
+            # Peers of live nodes that failed too are the same failure as this one: a script
+            # that raises on every rank must still end the job at once.
+            newest = self._newest_world()
+            node_lost = (newest is not None and newest.cause == "node_lost"
+                         and self._peers_lost_since(slot.started_for))
+            self.note(report, own=report.get("peer_type") is False or not node_lost)
             logger.warning("worker %s failed (%s) as this node restarted its workers",
                            slot.local_id, report.get("error"))
 

@@ -18,10 +18,11 @@ from launch.slot_state import Slot
 from membership.proposal import common_failure
 
 
-def _world(epoch: int, *workers: str, lost: tuple[str, ...] = ()) -> WorldRecord:
+def _world(epoch: int, *workers: str, lost: tuple[str, ...] = (),
+           cause: str = "") -> WorldRecord:
     members = tuple(WorldMember(w.split("/")[0], "127.0.0.1", (w.split("/")[1],), 1)
                     for w in workers)
-    return WorldRecord(epoch, members, ("127.0.0.1", 1), "restart", lost=lost)
+    return WorldRecord(epoch, members, ("127.0.0.1", 1), "restart", lost=lost, cause=cause)
 
 
 def _judge(node: str, newest: WorldRecord) -> FailureJudge:
@@ -47,7 +48,8 @@ def _died_as_restarted(judge: FailureJudge, *, peer_type: bool = True) -> dict[s
 
 
 def test_survivors_of_a_lost_node_note_a_failure_that_is_not_their_own() -> None:
-    after_loss = _world(12, lost=("n2/0.3",))  # restart mode's "everyone restart" world
+    # Restart mode's "everyone restart" world after n2's record went (its node was killed).
+    after_loss = _world(12, lost=("n2/0.3",), cause="node_lost")
     notes = [_died_as_restarted(_judge(node, after_loss)) for node in ("n0", "n1")]
     assert [n["own"] for n in notes] == [False, False]
     records = [SimpleNamespace(departing=None, workers=(1,), failure=n) for n in notes]
@@ -55,9 +57,12 @@ def test_survivors_of_a_lost_node_note_a_failure_that_is_not_their_own() -> None
 
 
 def test_a_restart_no_peer_loss_explains_keeps_the_error_the_workers_own() -> None:
-    # The newer world names only this node's own worker lost, or nobody: the error is the
-    # script's until shown otherwise, and every node dying of it ends the run.
-    for newest in (_world(12, lost=("n0/0.6",)), _world(12, "n0/0.6", "n1/0.5")):
+    # The newer world names only this node's own worker lost, or nobody, or peers of live
+    # nodes that failed too (a script raising on every rank): the error is the script's
+    # until shown otherwise, and every node dying of it ends the run.
+    for newest in (_world(12, lost=("n0/0.6",), cause="node_lost"),
+                   _world(12, "n0/0.6", "n1/0.5"),
+                   _world(12, lost=("n1/0.5", "n2/0.3"), cause="worker_failed")):
         assert _died_as_restarted(_judge("n0", newest))["own"] is True
     notes = [_died_as_restarted(_judge(node, _world(12))) for node in ("n0", "n1")]
     records = [SimpleNamespace(departing=None, workers=(1,), failure=n) for n in notes]
@@ -66,5 +71,5 @@ def test_a_restart_no_peer_loss_explains_keeps_the_error_the_workers_own() -> No
 
 
 def test_an_error_no_peer_causes_is_the_workers_own_even_after_a_loss() -> None:
-    after_loss = _world(12, lost=("n2/0.3",))
+    after_loss = _world(12, lost=("n2/0.3",), cause="node_lost")
     assert _died_as_restarted(_judge("n0", after_loss), peer_type=False)["own"] is True
