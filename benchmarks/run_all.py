@@ -14,16 +14,17 @@ the device-to-pinned-host copy floor, and in training on a GPU each save's stall
 that floor with the loop's step time <= 1.003x plain DDP's; goodput >= 0.95 and above
 torchrun's; live metrics cost under 1 % of step time; the sampler's resident memory under
 10 MB at a billion samples; the managed loop at most 0.3 ms per step over plain DDP; a
-1024-node rendezvous round under 10 s, at 128 nodes no slower than c10d; in restart mode, a
-plain torchrun script's survivors stall at most 2 s after a worker kill and 3 s after a node
-kill). Below it come each benchmark's own detailed table, then the command line, date,
-commit and machine. A benchmark that fails or times out is shown as failed (with its log)
-and the others still run; one that cannot run on this machine (the CUDA benchmarks without a
-GPU) exits 0 with
+1024-node rendezvous round under 10 s, at 128 nodes no slower than c10d; an FSDP2 model's
+recovery in place at most 1/5 of the restart path's, its peer copies costing <= 1.01x step
+time; in restart mode, a plain torchrun script's survivors stall at most 2 s after a worker
+kill and 3 s after a node kill). Below it come each benchmark's own detailed table, then the
+command line, date, commit and machine. A benchmark that fails or times out is shown as
+failed (with its log) and the others still run; one that cannot run on this machine (the
+CUDA benchmarks without a GPU) exits 0 with
 ``{"skipped": reason}`` as its JSON and is shown as skipped.
 
 Two presets: the default runs the settings each script's docstring gives for the published
-figures (about an hour and a half on 2 cores); ``--quick`` runs small settings for a smoke
+figures (about two hours on 2 cores); ``--quick`` runs small settings for a smoke
 check (minutes). The table is printed, and written to ``benchmarks/RESULTS.md`` when every
 chosen benchmark succeeded under the full preset; ``--out FILE`` writes it in every case (so a
 quick or failed run never overwrites the published table by accident).
@@ -71,6 +72,8 @@ CKPT_DURABLE_GOAL = 1.3  # ours durable / disk floor, and ours on S3 / raw s3fs 
 GOODPUT_GOAL = 0.95  # and above torchrun's
 METRICS_OVERHEAD_GOAL = 1.01  # step time with live metrics on / off
 GPU_STEP_GOAL = 1.003  # the loop's step time / plain DDP's, in training on a GPU
+SHARDED_RECOVERY_GOAL = 0.2  # sharded in place, kill to next step / restart + DCP load's
+SHARDED_COPIES_GOAL = 1.01  # sharded step time with peer copies on / off
 SAMPLER_MEMORY_GOAL_BYTES = 10e6  # the sampler's resident memory at N = 1e9
 SAMPLER_GOAL_SIZE = 10**9
 RESTART_GOALS = {"worker": 2.0, "node": 3.0}  # restart mode, plain script: the survivors' stall
@@ -496,6 +499,36 @@ def loop_rows(data: dict[str, Any], stdout: str = "") -> list[Row]:
     return rows
 
 
+def sharded_rows(data: dict[str, Any], stdout: str = "") -> list[Row]:
+    """Rows of ``sharded_recovery.py --json`` (lists of one figure per run, see its
+    docstring): FSDP2 recovery in place against the restart path (restart and DCP load), goal
+    <= 0.2x, with the time to resume alone and the steps lost; the step time with the peer
+    copies on against off (``redundancy=0``), goal <= 1.01x. Medians over the runs."""
+    del stdout
+    rows = []
+    size = f"{float(data.get('state_mb', 0)):.0f} MB params + Adam, 6 workers"
+    inplace, restart = _median(data.get("inplace_s", [])), _median(data.get("restart_s", []))
+    if inplace is not None and restart is not None:
+        row = Row("sharded", f"FSDP2 recovery, worker SIGKILL to next step completed, {size}",
+                  inplace, restart, "restart + DCP load, same run",
+                  goal=f"<= {SHARDED_RECOVERY_GOAL:g}x restart")
+        rows += [
+            _with_met(row, _at_most(row.ratio, SHARDED_RECOVERY_GOAL)),
+            Row("sharded", "FSDP2 recovery, worker SIGKILL to next step started",
+                _median(data.get("inplace_resumed_s", [])),
+                _median(data.get("restart_resumed_s", [])), "restart + DCP load, same run"),
+            Row("sharded", "FSDP2 steps lost per worker SIGKILL",
+                _median(data.get("inplace_lost", [])), _median(data.get("restart_lost", [])),
+                "restart + DCP load, same run", unit="steps"),
+        ]
+    on, off = _median(data.get("step_on_s", [])), _median(data.get("step_off_s", []))
+    if on is not None and off is not None:
+        row = Row("sharded", f"FSDP2 step time, peer copies on (redundancy=1), {size}", on, off,
+                  "redundancy=0, same run", goal=f"<= {SHARDED_COPIES_GOAL:g}x")
+        rows.append(_with_met(row, _at_most(row.ratio, SHARDED_COPIES_GOAL)))
+    return rows
+
+
 def gpu_training_rows(data: dict[str, Any], stdout: str = "") -> list[Row]:
     """Rows of ``gpu_training.py --json`` (``{"worker", "summary"}``, see its docstring):
     the loop's step time against plain DDP (goal <= 1.003x), the worst stall of each of our
@@ -642,6 +675,9 @@ BENCHES: tuple[Bench, ...] = (
           ("--sizes", "1", "--repeats", "1", "--settle", "0.2"), 3600, 600,
           cuda_checkpoint_rows),
     Bench("gpu_training", "gpu_training.py", (), (), 600, 120, gpu_training_rows),
+    Bench("sharded", "sharded_recovery.py", ("--runs", "3"),
+          ("--runs", "1", "--hidden", "256", "--layers", "2", "--steps", "16", "--warmup", "4",
+           "--interval", "4"), 5400, 900, sharded_rows),
     Bench("sampler", "sampler_memory.py", ("--sizes", "1e6,1e8,1e9"),
           ("--sizes", "1e5,1e6", "--throughput", "100000"), 3600, 300, sampler_rows),
     Bench("loop", "loop_overhead.py", ("--repeats", "6", "--steps", "1500"),

@@ -116,17 +116,20 @@ class FailureJudge:
         lease = run.node.lease if run is not None else None
         return lease is None or lease.fresh(margin=1.0)
 
-    def restarted_while_dying(self, slot: Slot, world: WorldRecord) -> None:
-        """Restart mode restarted ``slot`` for ``world`` while its worker was dying of its own
-        error: that error still counts (every worker dying of it ends the job at once),
-        unless it is of a type a dead peer causes and ``world`` names another node's worker
-        as lost (the survivors of a killed node all die of the same "connection closed": no
-        evidence of a bug in the script)."""
+    def restarted_while_dying(self, slot: Slot) -> None:
+        """Restart mode restarted ``slot`` while its worker was dying of its own error: that
+        error still counts (every worker dying of it ends the job at once)."""
         report = slot.report or {}
         if report.get("before_stop") and report.get("error"):
-            mine = self._node() + "/"
-            lost_elsewhere = any(not w.startswith(mine) for w in (*world.lost, *world.evicted))
-            self.note(report, own=not (report.get("peer_type") and lost_elsewhere))
+            # The restart was for a world that names lost a peer of its world whose node is
+            # gone (a node killed): its survivors all die of that loss with one error text, at
+            # one step, which is no evidence of a bug in the script (two campaigns ended so).
+            # Peers of live nodes that failed too are the same failure as this one: a script
+            # that raises on every rank must still end the job at once.
+            newest = self._newest_world()
+            node_lost = (newest is not None and newest.cause == "node_lost"
+                         and self._peers_lost_since(slot.started_for))
+            self.note(report, own=report.get("peer_type") is False or not node_lost)
             logger.warning("worker %s failed (%s) as this node restarted its workers",
                            slot.local_id, report.get("error"))
 
@@ -198,9 +201,11 @@ class FailureJudge:
         """Whether a newer world names, as lost, a worker of another node that was in the
         failed worker's world, or another node of that world is dead (its agent's liveness
         port refuses): the failure was that peer's, not this worker's."""
-        before = failure.world
-        if failure.peer_node_dead:
-            return True
+        return failure.peer_node_dead or self._peers_lost_since(failure.world)
+
+    def _peers_lost_since(self, before: WorldRecord | None) -> bool:
+        """Whether a newer world than ``before`` names, as lost or evicted, a worker of
+        another node that was in ``before``."""
         newest = self._newest_world()
         if before is None or newest is None or newest.epoch <= before.epoch:
             return False

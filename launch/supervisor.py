@@ -275,7 +275,7 @@ class Supervisor:
             slot.restart_at = now + delay
 
     def follow_restart_mode(self, world: WorldRecord, leaving: bool,
-                            dying: Callable[[Slot, WorldRecord], None],
+                            dying: Callable[[Slot], None],
                             publish: Callable[[], None]) -> bool:
         """Restart mode: starts workers for a world that includes them, restarts them when
         the world changes; returns whether the slots changed (to publish).
@@ -283,7 +283,7 @@ class Supervisor:
         Args:
             world: The newest world.
             leaving: The node is leaving (its workers drain; none restarts).
-            dying: Called for each slot stopped here (with ``world``) whose worker had
+            dying: Called for each slot stopped here whose worker had
                 reported its own error before the stop (that error still counts).
             publish: Publishes the node record (the stopping slots as not ready).
         """
@@ -310,7 +310,7 @@ class Supervisor:
             stop_all([s.process for s in stale if s.process is not None],
                      self.config.shutdown_grace)
             for slot in stale:
-                dying(slot, world)
+                dying(slot)
                 slot.process = None
                 slot.next_incarnation()
                 slot.ready = True  # agent-ready: started when a world includes it

@@ -450,7 +450,7 @@ class EtcdClient:
 
     def cas(
         self, key: str, value: bytes, expected_mod_revision: int | None, *, lease: int = 0,
-        delete_range: tuple[str, str] | None = None,
+        delete_range: tuple[str, str] | None = None, fence: tuple[str, int] | None = None,
     ) -> tuple[bool, KeyValue | None]:
         """Writes ``key`` only if its mod revision is ``expected_mod_revision``.
 
@@ -468,6 +468,9 @@ class EtcdClient:
             delete_range: ``(start, end)``: when the compare holds, every key ``k`` with
                 ``start <= k < end`` is deleted in the same transaction (``key`` must not be
                 among them: etcd refuses a transaction that writes and deletes one key).
+            fence: ``(fence_key, create_revision)``: write only if ``fence_key`` also still
+                exists with this create revision, in the same transaction (a leader's term:
+                its leader key, which goes with its lease, is created anew by each election).
 
         Returns:
             ``(written, current)``: ``current`` is the key after the transaction.
@@ -477,6 +480,10 @@ class EtcdClient:
             compare.update(target="CREATE", create_revision="0")
         else:
             compare.update(target="MOD", mod_revision=str(expected_mod_revision))
+        compares = [compare]
+        if fence is not None:
+            compares.append({"key": b64(fence[0]), "result": "EQUAL", "target": "CREATE",
+                             "create_revision": str(fence[1])})
         put: dict[str, Any] = {"key": b64(key), "value": b64(value)}
         if lease:
             put["lease"] = str(lease)
@@ -486,7 +493,7 @@ class EtcdClient:
             success.append({"request_delete_range": {"key": b64(start),
                                                      "range_end": b64(end)}})
         reply = self.call("/v3/kv/txn", {
-            "compare": [compare],
+            "compare": compares,
             "success": [*success, {"request_range": {"key": b64(key)}}],
             "failure": [{"request_range": {"key": b64(key)}}],
         })

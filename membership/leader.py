@@ -10,6 +10,12 @@ the world key's revision, ends the run, or waits. The rules live in :mod:`member
 
 A CAS the leader loses (a deposed leader, a duplicate after a retry) costs nothing: the watch
 brings the winner's world and the loop decides again from it.
+
+Every world write is also fenced by the writer's term: the same transaction compares the
+leader key's create revision with the one this node's election created. A leader frozen past
+its lease (a stopped process, a long pause) and then resumed would otherwise send the write it
+had decided before it froze; while the next leader has nothing to write, the world key's
+revision still matches, and that stale world (a node that left since, say) would be written.
 """
 
 from __future__ import annotations
@@ -86,6 +92,9 @@ class LeaderLoop:
         self._parsed: dict[str, tuple[int, NodeRecord | None]] = {}
         self.stats = LeaderStats()
         self.leading = False
+        #: The create revision of the leader key this node's election wrote: its term, which
+        #: every world write is fenced by (``None`` while not leading).
+        self._term: int | None = None
         view.add_listener(self._wake.set)
         self._thread = threading.Thread(target=self._run, name="elastic-leader", daemon=True)
 
@@ -127,9 +136,24 @@ class LeaderLoop:
         me = self._node.record.node
         lease = self._node.lease
         current = self._view.leader()
+        if (current is None and self.leading and self._term is not None
+                and lease is not None and not lease.lost.is_set()
+                and self._view.revision < self._term):
+            return True  # the view has not caught up with the election this node just won
         if current == me and lease is not None and not lease.lost.is_set():
+            kv = self._view.leader_kv()
+            if kv is None or kv.lease != lease.id:
+                # The key of a lease this node lost (it joined again on a new one): that term
+                # is over, and the key goes with the old lease.
+                if self.leading:
+                    self._abdicate()
+                return False
+            if self.leading and self._term != kv.create_revision:
+                # Elected again under the same name (the view may show the new key without
+                # the old one's deletion, after a resync): write in the new term only.
+                self._abdicate()
             if not self.leading:
-                self._become_leader()
+                self._become_leader(kv.create_revision)
             return True
         if self.leading:
             self._abdicate()
@@ -138,15 +162,16 @@ class LeaderLoop:
         self.stats.election_attempts += 1
         # A leader key that names no leader (foreign or damaged) is replaced, by revision.
         invalid = self._view.leader_kv()
-        won, _ = self._client.cas(self._keys.leader, me.encode(),
-                                  invalid.mod_revision if invalid is not None else None,
-                                  lease=lease.id)
-        if won:
-            self._become_leader()
+        won, elected = self._client.cas(self._keys.leader, me.encode(),
+                                        invalid.mod_revision if invalid is not None else None,
+                                        lease=lease.id)
+        if won and elected is not None:
+            self._become_leader(elected.create_revision)
         return won
 
-    def _become_leader(self) -> None:
+    def _become_leader(self, term: int) -> None:
         self.leading = True
+        self._term = term
         self.memory = replace(self.memory, pending=None)
         self._written = None
         self._nodes = self._client.watch_prefix(self._keys.nodes, on_change=self._on_nodes)
@@ -157,6 +182,7 @@ class LeaderLoop:
             self._nodes.cancel()
             self._nodes = None
         self.leading = False
+        self._term = None
 
     def _on_nodes(self, events: Sequence[WatchEvent]) -> None:
         self._wake.set()
@@ -225,7 +251,8 @@ class LeaderLoop:
     def _write(self, action: WriteWorld) -> None:
         proposal = action.world
         self.stats.cas_attempts += 1
-        written, after = self._client.cas(self._keys.world, proposal.dumps(), action.base)
+        written, after = self._client.cas(self._keys.world, proposal.dumps(), action.base,
+                                          fence=self._fence())
         if written and after is not None:
             self._written = proposal.with_changes(revision=after.mod_revision)
             self.memory = self.memory.wrote(proposal)
@@ -234,3 +261,8 @@ class LeaderLoop:
             logger.info("world epoch %d (%s): %d worker(s) on %d node(s): %s", proposal.epoch,
                         proposal.mode, proposal.world_size, len(proposal.members),
                         ",".join(proposal.nodes()))
+
+    def _fence(self) -> tuple[str, int]:
+        """The world write's fence: this leader's term (see the module docstring)."""
+        assert self._term is not None, "a world write outside a term"
+        return self._keys.leader, self._term

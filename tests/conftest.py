@@ -9,12 +9,22 @@ import uuid
 from collections.abc import Iterator
 
 import pytest
+from hypothesis import settings
 
 from tests.support.etcd_required import etcd_required
 from tests.support.netns_pytest import netns_cluster, netns_cluster_factory  # noqa: F401
 
 # Under CI=true a skipped test (other than a GPU test) fails the run: see the module.
 from tests.support.no_silent_skips import pytest_configure  # noqa: F401
+
+# The contract mixins' asserts live outside test modules: have pytest explain them too.
+pytest.register_assert_rewrite("tests.contracts")
+
+# Hypothesis fails an example that takes over 200 ms by default: a wall-clock assert that a
+# loaded 2-core CI machine breaks (an example that took 2.6 s once, 44 ms when replayed).
+# Speed belongs in benchmarks/, so no example has a deadline.
+settings.register_profile("elastic-run", deadline=None)
+settings.load_profile("elastic-run")
 
 
 @pytest.fixture(scope="session")

@@ -2,9 +2,12 @@
 
 :class:`FakeEtcd` duck-types :class:`membership.etcd.EtcdClient` with etcd's semantics: one global
 revision, create/mod revisions per key, leases that expire on a fake clock (:meth:`advance`) and
-delete their keys, prefix watches that deliver events on their own thread, and compare-and-swap
-that returns the current value when it fails. The contract tests in ``tests/contracts.py`` run
-against it and against a real etcd, which is what keeps it faithful.
+delete their keys, prefix watches that deliver events on their own thread (the first snapshot
+from the constructor, as the real watch does), transactions that take one revision and deliver
+one batch of events, and compare-and-swap that returns the current value when it fails. The
+contract tests in ``tests/contracts.py`` run against it (``tests/unit/elastic/test_fake_etcd.py``)
+and against a real etcd (``tests/integration/etcd/test_contracts.py``), which is what keeps it
+faithful.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from datetime import timedelta
 from typing import Any
 
 from elastic.errors import EtcdUnavailableError
-from membership.etcd import EtcdConfig, KeyValue, Lease, WatchEvent
+from membership.etcd import EtcdConfig, KeyValue, Lease, LeaseGoneError, WatchEvent
 
 
 @dataclass
@@ -44,6 +47,10 @@ class FakePrefixWatch:
         self.reconnects = 0
         kvs, self._revision = fake.snapshot(prefix)
         self._mirror = {kv.key: kv for kv in kvs}
+        if kvs and on_change is not None:
+            # As the real watch does: the first snapshot reaches on_change, from the
+            # constructor, as PUT events at the snapshot's revision.
+            on_change([WatchEvent("PUT", kv.key, kv, self._revision) for kv in kvs])
         self._thread = threading.Thread(target=self._run, daemon=True, name="fake-watch")
         self._thread.start()
 
@@ -156,18 +163,24 @@ class FakeEtcd:
         self._revision += 1
         return self._revision
 
-    def _write(self, key: str, value: bytes, lease: int) -> KeyValue:
+    def _write(self, key: str, value: bytes, lease: int, *, revision: int | None = None,
+               batch: list[WatchEvent] | None = None) -> KeyValue:
+        """Writes one key; within a transaction (``revision`` given) its event joins
+        ``batch``, which the caller delivers once: one revision, one batch, as etcd does."""
         if lease and lease not in self._leases:
-            raise EtcdUnavailableError(
-                f"etcd ({self.endpoints_text}) rejected the request with HTTP 404 "
-                "(etcdserver: requested lease not found); check the request."
-            )
-        revision = self._bump()
+            raise LeaseGoneError(f"etcd ({self.endpoints_text}) no longer holds lease "
+                                 f"{lease:x} (it expired or was revoked)")
+        if revision is None:
+            revision = self._bump()
         old = self._kv.get(key)
         kv = KeyValue(key=key, value=value, mod_revision=revision,
                       create_revision=old.create_revision if old else revision, lease=lease)
         self._kv[key] = kv
-        self._notify([WatchEvent("PUT", key, kv, revision)])
+        event = WatchEvent("PUT", key, kv, revision)
+        if batch is None:
+            self._notify([event])
+        else:
+            batch.append(event)
         return kv
 
     def _remove(self, keys: Sequence[str]) -> int:
@@ -229,16 +242,19 @@ class FakeEtcd:
     def put_many(self, items: Sequence[tuple[str, bytes]]) -> int:
         with self._lock:
             self._enter("put_many")
+            revision = self._bump()
+            batch: list[WatchEvent] = []
             for key, value in items:
-                self._write(key, value, 0)
-            return self._revision
+                self._write(key, value, 0, revision=revision, batch=batch)
+            self._notify(batch)
+            return revision
 
     def create(self, key: str, value: bytes, *, lease: int = 0) -> bool:
         return self.cas(key, value, None, lease=lease)[0]
 
     def cas(
         self, key: str, value: bytes, expected_mod_revision: int | None, *, lease: int = 0,
-        delete_range: tuple[str, str] | None = None,
+        delete_range: tuple[str, str] | None = None, fence: tuple[str, int] | None = None,
     ) -> tuple[bool, KeyValue | None]:
         with self._lock:
             self._enter("cas")
@@ -247,6 +263,9 @@ class FakeEtcd:
                 ok = current is None
             else:
                 ok = current is not None and current.mod_revision == expected_mod_revision
+            if fence is not None:
+                fenced = self._kv.get(fence[0])
+                ok = ok and fenced is not None and fenced.create_revision == fence[1]
             if not ok:
                 self.cas_conflicts += 1
                 return False, current
@@ -256,13 +275,15 @@ class FakeEtcd:
                     raise EtcdUnavailableError(
                         f"etcd ({self.endpoints_text}) rejected the request with HTTP 400 "
                         "(etcdserver: duplicate key given in txn request); check the request.")
-                # One revision for the whole transaction, as etcd gives it.
+                # One revision and one batch of events for the whole transaction, as etcd
+                # gives them.
                 doomed = [k for k in self._kv if start <= k < end]
-                written = self._write(key, value, lease)
+                batch: list[WatchEvent] = []
+                written = self._write(key, value, lease, revision=self._bump(), batch=batch)
                 for k in doomed:
                     del self._kv[k]
-                self._notify([WatchEvent("DELETE", k, None, written.mod_revision)
-                              for k in doomed])
+                batch += [WatchEvent("DELETE", k, None, written.mod_revision) for k in doomed]
+                self._notify(batch)
                 return True, written
             return True, self._write(key, value, lease)
 

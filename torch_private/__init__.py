@@ -20,6 +20,9 @@ test fails naming the use and what breaks, instead of a fallback quietly costing
   while its group is referenced (:func:`sever_sockets` and its helpers).
 * DCP's ``FsspecReader`` (not exported by ``torch.distributed.checkpoint``) and
   ``DTensor._spec`` (:func:`dtensor_spec`).
+* DTensor's sharding-propagation caches (``DTensor._op_dispatcher.sharding_propagator`` and
+  ``torch._C._clear_DTensor_sharding_propagator_cache``): cleared when a sharded model moves
+  to a new world (:func:`clear_dtensor_caches`).
 
 **gloo's sockets.** gloo has no working abort: ``ProcessGroupGloo.abort()``, ``shutdown()`` and
 ``destroy_process_group()`` leave its TCP connections open for as long as any Python object
@@ -55,6 +58,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.tensor
 from torch._C._distributed_c10d import HashStore, PrefixStore, Store, TCPStore
 
 if TYPE_CHECKING:
@@ -62,7 +66,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "FsspecReader", "HashStore", "PrefixStore", "Store", "TCPStore", "WorldSockets",
-    "abort_backends", "abort_process_group", "accelerator_backends", "dtensor_spec",
+    "abort_backends", "abort_process_group", "accelerator_backends", "clear_dtensor_caches",
+    "dtensor_spec",
     "nccl_group", "opened_since", "reset_group_names", "set_pg_timeout", "sever_sockets",
     "socket_inodes",
 ]
@@ -172,6 +177,31 @@ def dtensor_spec(tensor: Any) -> Any:
     """A DTensor's placement spec (``DTensor._spec``): what DCP's own staging builds a host
     copy from without ``from_local()`` moving the shard back to the device."""
     return tensor._spec
+
+
+def clear_dtensor_caches() -> list[str]:
+    """Clears DTensor's sharding-propagation caches (the Python ones and the C++ dispatch fast
+    path's); returns the names of those this torch lacks.
+
+    torch compares device meshes by value (ranks, layout, device type, names), so a mesh of a
+    new world equals one of an earlier world of the same size, and a cached propagation
+    result (an output spec holding the *old* mesh object) would be reused: the new world's
+    tensors would carry a mesh whose coordinate is this process's rank in the old world.
+    Within one process torch assumes a rank never changes; in place it does.
+    """
+    propagator = getattr(getattr(torch.distributed.tensor.DTensor, "_op_dispatcher", None),
+                         "sharding_propagator", None)
+    clears = {name: getattr(getattr(propagator, name, None), "cache_clear", None)
+              for name in ("propagate_op_sharding", "_propagate_tensor_meta_cached")}
+    clears["_clear_DTensor_sharding_propagator_cache"] = getattr(
+        torch._C, "_clear_DTensor_sharding_propagator_cache", None)
+    missing = []
+    for name, clear in clears.items():
+        if clear is None:
+            missing.append(name)
+        else:
+            clear()
+    return missing
 
 
 # -- gloo's sockets (see the module docstring) -----------------------------------------------

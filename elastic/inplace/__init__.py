@@ -46,7 +46,9 @@ another worker or node came or went. Design:
 * **Fencing**: a checkpoint is committed only while the node's lease is fresh and the
   worker's world is not aborted, so a node cut off from the job never commits one.
 
-Data parallelism only (replicated state); gloo on CPU is tested. The NCCL path (abort from a
+Replicated state (DDP) heals as above; a sharded model (``ElasticLoop(parallelize=...)``,
+FSDP2 and HSDP) is re-sharded from the survivors' shards and their peer copies instead
+(:mod:`elastic.sharded`, ``docs/sharded.md``). gloo on CPU is tested. The NCCL path (abort from a
 thread, ``TORCH_NCCL_ASYNC_ERROR_HANDLING=0``, and the step fence of
 :mod:`~elastic.inplace.step_fence`: by default a host wait for the stream and a check before
 each optimizer step, ``ELASTIC_NCCL_STEP_FENCE=0`` to check later instead) has GPU tests in

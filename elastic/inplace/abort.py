@@ -130,6 +130,33 @@ class WorldAbort:
             self._tear_down(sockets, backends)
         raise WorldAbortedError(f"world {self.name} was aborted while it was built ({reason}).")
 
+    def adopt(self, before: dict[int, int], *groups: Any) -> None:
+        """Adds groups built after :meth:`built` to the world (a device mesh's, a sharded
+        model's background group): the sockets opened since ``before`` (a
+        :func:`torch_private.socket_inodes` snapshot taken just before building
+        them) and their accelerator communicators are aborted with the world's.
+
+        Raises:
+            WorldAbortedError: If the world was aborted meanwhile (what they opened is
+                severed at once).
+        """
+        with self._work_lock:
+            sockets = opened_since(before, skip_ports=self._skip_ports,
+                                   skip_fds=self._skip_fds)
+            backends: list[Any] = []
+            for backend in (b for g in groups for b in accelerator_backends(g)):
+                if all(backend is not known for known in (*self._backends, *backends)):
+                    backends.append(backend)
+            with self._flag_lock:
+                if self._reason is None and not self._released and self._sockets is not None:
+                    self._sockets = {**self._sockets, **sockets}
+                    self._backends = [*self._backends, *backends]
+                    return
+                reason = self._reason or "released, or not built yet"
+            self._tear_down(sockets, backends)
+        raise WorldAbortedError(f"world {self.name} was aborted while groups were added to it "
+                                f"({reason}).")
+
     def abort(self, reason: str) -> None:
         """Makes the world's collectives fail; idempotent, thread-safe, returns promptly.
 

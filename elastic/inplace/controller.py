@@ -172,6 +172,9 @@ class InPlaceController:
         self._step = -1
         self._completed = -1  # the step after the last one this worker completed
         self._reported_step = -2
+        #: Called before this worker's world's groups are dropped (background work on them,
+        #: such as a sharded model's copy transfers, must be done first).
+        self.before_drop: list[Any] = []
         link.add_listener(self._on_message)
         link.add_ticker(self._tick)
         link.peer_check = self.peer_failure_evident
@@ -385,9 +388,27 @@ class InPlaceController:
 
     def _drop_world(self) -> None:
         """Destroys the current world's groups (the steps it still runs are resolved first)."""
+        for settle in self.before_drop:
+            settle()
         if self.fence is not None:
             self.fence.settle(self._guard)
         abort_groups(self._guard)
+
+    def adopt_groups(self, before: dict[int, int], *groups: Any) -> None:
+        """Adds groups built after the current world (a device mesh's, a background group) to
+        it: a member's loss aborts them with the world's own
+        (:meth:`~elastic.inplace.abort.WorldAbort.adopt`).
+
+        Args:
+            before: :func:`torch_private.socket_inodes` taken before building them.
+            groups: The groups.
+
+        Raises:
+            WorldAbortedError: If the world was aborted meanwhile.
+        """
+        guard = self._guard
+        if guard is not None:
+            guard.adopt(before, *groups)
 
     def join(self, timeout: timedelta) -> ProcessGroups:
         """Waits for a world that includes this worker and builds it."""
@@ -462,9 +483,13 @@ class InPlaceController:
                     logger.warning("this worker applied step(s) whose collective an abort cut "
                                    "short (%s=0): it reports no state and is healed, or "
                                    "restores the last checkpoint", STEP_FENCE_ENV)
-                result = agree_and_heal(loop.step if loop.has_state and not spoiled else -1,
-                                        loop.heal_state(), self.ctx.checkpoint_group,
-                                        device=self.device)
+                if getattr(loop, "sharded", False):
+                    # A sharded model re-shards the survivors' shards and copies instead.
+                    result = loop.heal_sharded(self, spoiled)  # type: ignore[attr-defined]
+                else:
+                    result = agree_and_heal(loop.step if loop.has_state and not spoiled
+                                            else -1, loop.heal_state(),
+                                            self.ctx.checkpoint_group, device=self.device)
                 if spoiled and result.step < 0:
                     self._check_rollback(loop)
                 # Re-plan, re-shard and move the checkpoint manager to this world first: a

@@ -65,7 +65,7 @@ from elastic.inplace.state_wire import (
 )
 
 __all__ = ["DEFAULT_CHUNK_BYTES", "GlooLink", "HealResult", "Link", "agree_and_heal",
-           "receive_state", "send_state", "target_device"]
+           "load_state", "receive_state", "send_state", "target_device"]
 
 logger = logging.getLogger(__name__)
 
@@ -89,6 +89,9 @@ class HealResult:
         sent_bytes: Bytes this rank sent (header and tensors, summed over receivers).
         received_bytes: Bytes this rank received.
         staging_bytes: Size of the host buffer this rank used (``0``: none).
+        lost_steps: Completed steps the world went back over (sharded state rolled back to
+            a snapshot, :mod:`elastic.sharded`).
+        from_snapshots: Whether some state came from snapshots rather than live state.
     """
 
     step: int
@@ -98,6 +101,8 @@ class HealResult:
     sent_bytes: int = 0
     received_bytes: int = 0
     staging_bytes: int = 0
+    lost_steps: int = 0
+    from_snapshots: bool = False
 
 
 class Link(Protocol):
@@ -295,7 +300,8 @@ def _recv_header(link: Link, source: int) -> bytes:
 
 def receive_state(link: Link, source: int, state: Mapping[str, Any], *,
                   device: torch.device | None = None,
-                  chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> tuple[int, int]:
+                  chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                  mark_torn: bool = True) -> tuple[int, int]:
     """A receiver's side of a heal: receives the source's state and loads it into ``state``.
 
     Args:
@@ -306,6 +312,9 @@ def receive_state(link: Link, source: int, state: Mapping[str, Any], *,
         device: This rank's device (``None``: the device of its first accelerator tensor,
             else CPU).
         chunk_bytes: Must equal the source's.
+        mark_torn: Whether receiving into ``state``'s own tensors marks this process's state
+            torn until it completes (see the module docstring); ``False`` for state that is
+            not the training state (a peer's shard copy).
 
     Returns:
         Bytes received and the size of the host buffer used.
@@ -338,7 +347,8 @@ def receive_state(link: Link, source: int, state: Mapping[str, Any], *,
 
     staging = _Staging(max((_size(m) for m in messages if not direct(m)), default=0),
                        pinned=any(v.device.type != "cpu" for v in views))
-    if any(t is local.get(p) for t, p in zip(targets, tensor_paths(header.tree), strict=True)):
+    if mark_torn and any(t is local.get(p) for t, p in
+                         zip(targets, tensor_paths(header.tree), strict=True)):
         _TORN.set()
     with torch.no_grad():
         for message in messages:
@@ -358,12 +368,20 @@ def receive_state(link: Link, source: int, state: Mapping[str, Any], *,
         for target, written in zip(targets, writable, strict=True):
             if written is not target:
                 target.copy_(written)
-        _load(state, unflatten(header.tree, targets))
-    _TORN.clear()
+        load_state(state, unflatten(header.tree, targets))
+    if mark_torn:
+        _TORN.clear()
     return received, staging.used
 
 
-def _load(state: Mapping[str, Any], plain: Any) -> None:
+def load_state(state: Mapping[str, Any], plain: Any) -> None:
+    """Loads a plain state tree (what a heal received) into ``state``'s entries, in place:
+    ``Stateful`` values with ``load_state_dict``, tensors by copy, dicts by replacement.
+
+    Raises:
+        ValueError: If the entries differ.
+        TypeError: If an entry cannot be loaded in place.
+    """
     if not isinstance(plain, dict) or set(plain) != {str(k) for k in state}:
         theirs = sorted(plain) if isinstance(plain, dict) else type(plain).__name__
         raise ValueError(

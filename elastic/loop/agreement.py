@@ -1,5 +1,6 @@
-"""Every rank agrees on draining and on a newer world, at the same step, without a collective
-of its own at every step (:class:`~elastic.boundary_flags.AgreementCadence`).
+"""Every rank agrees on draining, on a newer world and on refreshing a sharded model's peer
+copies, at the same step, without a collective of its own at every step
+(:class:`~elastic.boundary_flags.AgreementCadence`).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ if TYPE_CHECKING:
 
 __all__ = ["StepAgreement"]
 
-_DRAIN, _NEWER_WORLD = 0, 1
+_DRAIN, _NEWER_WORLD, _SNAPSHOT = 0, 1, 2  # _SNAPSHOT: a rank holds a refresh of copies off
 
 
 class StepAgreement:
@@ -27,6 +28,10 @@ class StepAgreement:
     _cadence: AgreementCadence
     _drain: DrainSignal
     _inplace: Any
+    _snapshot_agreed: bool
+
+    if TYPE_CHECKING:
+        def _snapshot_flag(self) -> bool: ...
 
     def settle_collectives(self) -> None:
         """Waits for the boundary agreement in flight (its group is about to go)."""
@@ -40,7 +45,8 @@ class StepAgreement:
         rank's flags go out and the previous agreement's, the same on every rank, come back."""
         if self.ctx is None or self.ctx.world_size == 1:
             newer = self._inplace is not None and self._inplace.change_pending()
-            agreed: tuple[bool, ...] | None = (self._drain.requested, newer)
+            agreed: tuple[bool, ...] | None = (self._drain.requested, newer,
+                                               self._snapshot_flag())
         else:
             if self.step >= self.max_steps:
                 # The last step: start nothing new (no collective may outlive the loop).
@@ -50,8 +56,8 @@ class StepAgreement:
                 return False
             newer = self._inplace is not None and self._inplace.change_pending()
             if self._flags is None:
-                self._flags = BoundaryFlags(2, self.ctx.device, self.ctx.process_group)
-            agreed = self._flags.exchange([self._drain.requested, newer],
+                self._flags = BoundaryFlags(3, self.ctx.device, self.ctx.process_group)
+            agreed = self._flags.exchange([self._drain.requested, newer, self._snapshot_flag()],
                                           self._cadence.step_time(self.step))
             if agreed is not None:
                 if self._inplace is not None:
@@ -61,4 +67,6 @@ class StepAgreement:
             return False
         if agreed[_NEWER_WORLD] and self._inplace is not None:
             self._inplace.request("membership")
+        if not agreed[_SNAPSHOT]:  # no rank held a refresh off
+            self._snapshot_agreed = True
         return bool(agreed[_DRAIN])

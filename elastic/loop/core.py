@@ -72,6 +72,7 @@ from elastic.loop.replicas import ElasticModel, Replicas
 from elastic.loop.reporting import LoopReporting, tell_agent
 from elastic.loop.rewind import StepRewind
 from elastic.loop.saves import SaveSchedule
+from elastic.loop.sharding import ShardedWay
 from elastic.loop.signals import DrainSignal
 from elastic_errors import ConfigError
 
@@ -87,18 +88,21 @@ logger = logging.getLogger(__name__)
 #: Restart mode: the agent hears of a completed step at most this often (see end_step).
 _PROGRESS_EVERY_S = 0.5
 
-class ElasticLoop(MicroBatching, ManagedWay, InPlaceHooks, StepAgreement, LoopReporting,
-                  StepRewind):
+class ElasticLoop(MicroBatching, ManagedWay, ShardedWay, InPlaceHooks, StepAgreement,
+                  LoopReporting, StepRewind):
     """Drives the steps of an elastic job (see the module docstring for both ways).
 
     Args:
         ctx: The context from :func:`elastic.init` (``None``: single process, no groups).
-        model: The managed way: the model (not wrapped in DDP: ``loop.model`` is).
-        optimizer: The managed way: the optimizer (the loop steps it).
+        model: The managed way: the model (not wrapped in DDP: ``loop.model`` is). With
+            ``parallelize``, in either way: the model with its initial weights.
+        optimizer: The managed way: the optimizer (the loop steps it). With ``parallelize``:
+            a callable of the parameters that makes it (``lambda p: torch.optim.AdamW(p)``).
         data: The managed way: a map-style ``Dataset`` (an :class:`ElasticSampler` is made
             for it), or an :class:`~elastic.stream.ElasticShardedStream` (its own cursor),
             yielding what the script's ``for ... in loop.batches()`` unpacks.
-        scheduler: The managed way: an LR scheduler stepped after every optimizer step.
+        scheduler: The managed way: an LR scheduler stepped after every optimizer step (with
+            ``parallelize``: a callable of the optimizer that makes it).
         max_grad_norm: The managed way: clip the gradient norm to this before each step.
         loader_options: The managed way: extra ``DataLoader`` arguments (``num_workers``,
             ``collate_fn``, ``pin_memory``, ...).
@@ -118,6 +122,17 @@ class ElasticLoop(MicroBatching, ManagedWay, InPlaceHooks, StepAgreement, LoopRe
         micro_batch_size: Largest per-rank forward/backward batch (``None``: the share).
         drain_timeout: How long a SIGTERM drain waits for its final checkpoint to commit.
         install_signal_handler: Install the SIGTERM drain handler (main thread only).
+        parallelize: ``fn(model, mesh) -> model``: shard the model (``fully_shard``) on a
+            ``DeviceMesh`` of each world instead of wrapping it in DDP; the loop calls it on
+            every world and re-shards the state in place (``docs/sharded.md``).
+        replicate: With ``parallelize``: HSDP replica groups (the mesh is
+            ``("replicate", "shard")`` while the world size allows them).
+        redundancy: With ``parallelize``: ``1`` keeps every shard also in a peer's host
+            memory (or in its HSDP replica) so that a lost rank's shard is copied back
+            without storage; ``0`` restores lost shards from storage.
+        snapshot_every: With ``parallelize`` and ``redundancy=1``: refresh the peer copies
+            after every this many steps (``None``: chosen from measurement so that refreshes
+            take at most 1 % of the training time); a loss rolls back to the last refresh.
 
     Raises:
         ConfigError: On invalid values.
@@ -145,14 +160,30 @@ class ElasticLoop(MicroBatching, ManagedWay, InPlaceHooks, StepAgreement, LoopRe
         install_signal_handler: bool = True,
         max_commit_lag: int | None = None,
         save_backpressure: str = "wait",
+        parallelize: Any = None,
+        replicate: int = 1,
+        redundancy: int = 1,
+        snapshot_every: int | None = None,
     ) -> None:
         if max_steps < 0:
             raise ConfigError(f"max_steps ({max_steps}) must be non-negative.")
         user_state = dict(state or {})
         if LOOP_KEY in user_state:
             raise ConfigError(f"state key ({LOOP_KEY!r}) is reserved for the loop; rename it.")
-        managed = data is not None or model is not None or optimizer is not None
-        if managed and (model is None or optimizer is None or data is None):
+        sharded = parallelize is not None
+        if not sharded and (replicate != 1 or snapshot_every is not None):
+            raise ConfigError(
+                f"replicate ({replicate}) and snapshot_every ({snapshot_every}) shape a sharded "
+                "model; pass parallelize= too, or leave them out."
+            )
+        if sharded and (model is None or optimizer is None):
+            raise ConfigError(
+                "parallelize= needs model= (with its initial weights) and optimizer= (a "
+                "callable of the parameters, e.g. lambda p: torch.optim.AdamW(p)); pass both."
+            )
+        managed = data is not None or (not sharded and (model is not None
+                                                         or optimizer is not None))
+        if managed and not sharded and (model is None or optimizer is None or data is None):
             raise ConfigError(
                 "the managed loop needs model, optimizer and data together (got "
                 f"model={type(model).__name__}, optimizer={type(optimizer).__name__}, "
@@ -170,15 +201,19 @@ class ElasticLoop(MicroBatching, ManagedWay, InPlaceHooks, StepAgreement, LoopRe
         self._module, self.optimizer, self.scheduler = model, optimizer, scheduler
         self._max_grad_norm = max_grad_norm
         self._data, self._loader_options = data, dict(loader_options or {})
+        if sharded:
+            # Built on the first world (the optimizer and scheduler too): see ShardedWay.
+            self._module = self.optimizer = self.scheduler = None
         if managed:
             from checkpointing import ModelOptimizerState
             from elastic.loop.data import managed_sampler
 
-            assert model is not None and optimizer is not None
             sampler = managed_sampler(data, sampler, seed)
-            user_state = {"train": ModelOptimizerState(model, optimizer), **user_state}
-            if scheduler is not None:
-                user_state.setdefault("scheduler", scheduler)
+            if not sharded:
+                assert model is not None and optimizer is not None
+                user_state = {"train": ModelOptimizerState(model, optimizer), **user_state}
+                if scheduler is not None:
+                    user_state.setdefault("scheduler", scheduler)
         self.sampler = sampler
         if sampler is not None:
             sampler.reshard(rank, world)
@@ -205,9 +240,17 @@ class ElasticLoop(MicroBatching, ManagedWay, InPlaceHooks, StepAgreement, LoopRe
         if controller is not None and os.environ.get(env.MODE, "auto") == "restart":
             controller = None
         self._inplace: Any = controller
+        self._sharded = self._copies = None
+        if sharded:
+            assert model is not None
+            self._setup_sharding(model, parallelize=parallelize, optimizer=optimizer,
+                                 scheduler=scheduler, replicate=replicate,
+                                 redundancy=redundancy, snapshot_every=snapshot_every,
+                                 micro_batch_size=micro_batch_size)
+            self._user_state = user_state = {**self._sharded_state(), **user_state}
         if checkpoint is not None and getattr(checkpoint, "events", None) is None:
             checkpoint.events = self._events
-        if managed and _only_optimizer_writes(model, user_state):
+        if managed and not sharded and _only_optimizer_writes(model, user_state):
             # The next step's forward and backward only read the saved tensors: the copy of
             # a save may run until the optimizer step (elastic.loop.saves).
             assert optimizer is not None
@@ -273,11 +316,20 @@ class ElasticLoop(MicroBatching, ManagedWay, InPlaceHooks, StepAgreement, LoopRe
             return self.step
         return self.restore_from_storage()
 
+    @property
+    def sharded(self) -> bool:
+        """Whether the loop trains a sharded model (``parallelize=``)."""
+        return self._sharded is not None
+
     def restore_from_storage(self) -> int:
         """Loads the newest committed checkpoint (or starts fresh); returns the next step."""
         self._restored = True
         self.has_state = True
+        if self._sharded is not None:
+            self._build_alone()
         if self.checkpoint is None:
+            if self._sharded is not None:
+                self._sharded_loaded(False)
             return self.step
         self.storage_loads += 1
         started = time.monotonic()
@@ -297,6 +349,8 @@ class ElasticLoop(MicroBatching, ManagedWay, InPlaceHooks, StepAgreement, LoopRe
                 f"job's model or state ({reason[:200]}); point the checkpoint URL at a new "
                 "directory or restore the code that wrote it."
             ) from exc
+        if self._sharded is not None:
+            self._sharded_loaded(info is not None)
         self._record("restored", round=self._round, step=self.step, found=info is not None,
                      duration_s=round(time.monotonic() - started, 4),
                      read_from=getattr(self.checkpoint, "last_load_source", None))
@@ -351,6 +405,8 @@ class ElasticLoop(MicroBatching, ManagedWay, InPlaceHooks, StepAgreement, LoopRe
         self._batches = self._loader = None
         if wait:
             self.settle_collectives()
+        if self._copies is not None:
+            self._copies.close()
         if self.checkpoint is not None:
             self.checkpoint.close(wait=wait)
         if self._inplace is not None:
@@ -412,6 +468,7 @@ class ElasticLoop(MicroBatching, ManagedWay, InPlaceHooks, StepAgreement, LoopRe
         if self.ctx is not None:
             self.ctx.after_first_step()
         drain = self._agree()
+        self._refresh_copies()
         if drain:
             self._drained = True
         state = self._full_state()

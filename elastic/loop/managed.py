@@ -16,12 +16,14 @@ import torch
 from torch import nn
 
 from elastic.batching import BatchPlan
+from elastic.loop.abandoned import AbandonedOutput, abandoned_output
 from elastic.loop.audit import SampleAudit
 from elastic.loop.replicas import ElasticModel, Replicas, to_device
 from elastic_errors import ConfigError
 
 if TYPE_CHECKING:
     from elastic.context import ElasticContext
+    from elastic.sharded.model import ShardedTraining
 
 __all__ = ["ManagedWay"]
 
@@ -46,6 +48,7 @@ class ManagedWay:
     _micro_size: int
     _audit: SampleAudit | None
     _wrapper: ElasticModel | None
+    _sharded: ShardedTraining | None
 
     if TYPE_CHECKING:
         def __enter__(self) -> Any: ...
@@ -65,13 +68,31 @@ class ManagedWay:
 
     @property
     def model(self) -> nn.Module:
-        """The managed model: call it like the model; it runs DDP on the current world."""
-        if self._module is None:
-            raise ConfigError("loop.model needs the managed loop; pass model=, optimizer= "
-                              "and data= to ElasticLoop.")
+        """The managed model: call it like the model; it runs DDP on the current world (with
+        ``parallelize``: the current world's sharded model)."""
         if self._wrapper is None:
-            self._wrapper = ElasticModel(self._module, self._forward)
+            if self._sharded is not None:
+                self._wrapper = ElasticModel(None, self._forward_sharded)
+            elif self._module is None:
+                raise ConfigError("loop.model needs the managed loop; pass model=, optimizer= "
+                                  "and data= to ElasticLoop.")
+            else:
+                self._wrapper = ElasticModel(self._module, self._forward)
         return self._wrapper
+
+    def _forward_sharded(self, _module: None, *args: Any, **kwargs: Any) -> Any:
+        if self._abandoned:
+            return abandoned_output()  # its forward is collectives: it cannot run alone
+        assert self._sharded is not None
+        module = self._sharded.require().module
+        if self._inplace is None:
+            return module(*args, **kwargs)
+        self._inplace.reached_collective()  # FSDP gathers parameters in every forward
+        try:
+            return module(*args, **kwargs)
+        except Exception as exc:
+            self._abandon_or_raise(exc)
+            return abandoned_output()
 
     def _forward(self, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
         if self._abandoned:
@@ -96,7 +117,7 @@ class ManagedWay:
         global batch on any world. A peer's failure during the gradient all-reduce abandons
         the step (the loop reconfigures before the next one) instead of failing the worker.
         """
-        if self._abandoned:
+        if self._abandoned or isinstance(loss, AbandonedOutput):
             return
         if self._inplace is not None and self._last_micro():
             self._inplace.reached_collective()
@@ -115,7 +136,7 @@ class ManagedWay:
         After a step's last micro-batch the loop clips (``max_grad_norm``), steps the
         optimizer and scheduler, and closes the step (cursor, saves, drain agreement).
         """
-        if self._data is None or self.optimizer is None:
+        if self._data is None or (self.optimizer is None and self._sharded is None):
             raise ConfigError("loop.batches() needs the managed loop; pass model=, optimizer= "
                               "and data= to ElasticLoop.")
         entered = not self._restored
@@ -158,9 +179,11 @@ class ManagedWay:
         return loader
 
     def _optimizer_step(self) -> None:
-        assert self.optimizer is not None and self._module is not None
+        module = (self._sharded.require().module if self._sharded is not None
+                  else self._module)
+        assert self.optimizer is not None and module is not None
         if self._max_grad_norm is not None:
-            nn.utils.clip_grad_norm_(self._module.parameters(), self._max_grad_norm)
+            nn.utils.clip_grad_norm_(module.parameters(), self._max_grad_norm)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         if self.scheduler is not None:

@@ -115,11 +115,18 @@ class MicroBatching:
                 with no_sync():
                     yield batch
             else:
-                if self._inplace is not None:
+                if self._inplace is not None and not self._forward_collectives():
                     # The step's gradient collective comes with this micro-batch's backward:
                     # from here on this rank waits for its peers (the progress rule).
                     self._inplace.reached_collective()
                 yield batch
+
+    def _forward_collectives(self) -> bool:
+        """Whether the managed model's forward itself runs collectives (a sharded model): it
+        then marks the step's arrival at its collectives itself (the progress rule), when it
+        runs, not when the script is handed the batch."""
+        return getattr(self, "_sharded", None) is not None and \
+            getattr(self, "_data", None) is not None
 
     def _last_micro(self) -> bool:
         index, count = self._micro

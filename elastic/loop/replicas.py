@@ -93,13 +93,15 @@ class ElasticModel(nn.Module):
     """The script's model as the managed loop trains it (see the module docstring).
 
     Args:
-        module: The user's model.
+        module: The user's model (``None``: the loop's forward finds the model itself).
         forward: The loop's forward: runs ``module`` through the current world's DDP.
     """
 
-    def __init__(self, module: nn.Module,
+    def __init__(self, module: nn.Module | None,
                  forward: Callable[..., Any]) -> None:
         super().__init__()
+        # None for a sharded model: a new module every world, which the loop's forward
+        # looks up (holding the first world's here would keep its shards alive).
         self.module = module
         self._forward = forward
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import re
 import socket
-import time
 import urllib.request
 import uuid
 from pathlib import Path
@@ -80,8 +79,24 @@ def test_a_standalone_job_is_scraped_twice_and_its_steps_rise(tmp_path: Path) ->
         except AssertionError as exc:
             raise AssertionError(f"{exc}\n{c.logs()}") from None
         first = _scrape(url)
-        time.sleep(5)
-        second = _scrape(url)
+        later: list[dict[str, float]] = []
+
+        def trained_on_and_committed() -> bool:
+            # Until the counters moved on and the checkpoint at step 40 was committed.
+            got = _scrape_or_none(url)
+            if not got or got.get("elastic_run_steps_total", 0) <= \
+                    first["elastic_run_steps_total"] or \
+                    got.get("elastic_run_checkpoint_durable_seconds_count", 0) < 1:
+                return False
+            later.append(got)
+            return True
+
+        try:
+            wait_until(trained_on_and_committed, 120, "more steps and a committed checkpoint",
+                       give_up=c.all_exited)
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\n{c.logs()}") from None
+        second = later[-1]
         assert second["elastic_run_steps_total"] > first["elastic_run_steps_total"]
         assert first["elastic_run_world_size"] == second["elastic_run_world_size"] == 2
         assert second["elastic_run_step_seconds_count"] == second["elastic_run_steps_total"]

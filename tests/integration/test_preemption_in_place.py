@@ -4,9 +4,10 @@ Three ``elastic-run`` agents run ``examples/train.py`` as shipped (in place, the
 an ``ElasticLoop`` script); node 0 watches a fake AWS instance metadata service on 127.0.0.1
 (``--preemption-watch aws``), which then announces a spot interruption. Node 0 leaves as
 planned and exits 0; the two survivors go on in a world of 2 without restarting a worker
-(same pids), without reading a checkpoint, and with a stall under a second: the gap between
-a survivor's last step in the world of 3 and its first step in the world of 2, less its
-normal step time. The job trains to its end; the weights equal an undisturbed run's.
+(same pids), without reading a checkpoint, and with a stall shorter than a node lost without
+notice costs (its lease TTL): the gap between a survivor's last step in the world of 3 and its
+first step in the world of 2, less its normal step time. The job trains to its end; the
+weights equal an undisturbed run's.
 """
 
 from __future__ import annotations
@@ -32,7 +33,12 @@ pytestmark = [pytest.mark.etcd, pytest.mark.slow, pytest.mark.timeout(600)]
 
 STEPS = 200
 STEP_S = 0.1
-STALL_LIMIT_S = 1.0
+#: The design: a planned departure is written at once and the survivors switch worlds at a
+#: step boundary, with no abort, no restart and no storage read (about 0.04 s here, printed
+#: below and in docs/defaults.md); a node lost without notice costs them its lease TTL (3 s by
+#: default). A departure that waited for the TTL, or restarted anyone, would take longer than
+#: that; how much shorter it is belongs to a benchmark, not to this test.
+STALL_LIMIT_S = 3.0
 
 
 def _done(audit_dir: Path, pid: int) -> list[dict[str, Any]]:
@@ -59,7 +65,7 @@ def _stall(done: list[dict[str, Any]], old_gens: set[int]) -> tuple[float, float
     return gap - normal, normal
 
 
-def test_a_preemption_notice_in_place_costs_the_survivors_under_a_second(
+def test_a_preemption_notice_in_place_costs_the_survivors_less_than_a_lost_node(
     request: pytest.FixtureRequest, tmp_path: Path
 ) -> None:
     etcd: Any = etcd_or_skip(request)
@@ -100,8 +106,8 @@ def test_a_preemption_notice_in_place_costs_the_survivors_under_a_second(
         worst = max(s for s, _ in stalls)
         assert worst < STALL_LIMIT_S, (
             f"the survivors stalled {worst:.3f} s beyond their normal step time when node 0 "
-            f"left on its notice; a planned departure in place must cost under "
-            f"{STALL_LIMIT_S:.0f} s")
+            f"left on its notice; a planned departure in place must cost less than the "
+            f"{STALL_LIMIT_S:.0f} s lease TTL that a node lost without notice costs")
 
     worst_w = max_difference(job.weights(), reference_weights(etcd.endpoint, tmp_path, STEPS))
     assert worst_w < 1e-9, f"final weights differ from an undisturbed 1-node run's by {worst_w}"

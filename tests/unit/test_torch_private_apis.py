@@ -139,6 +139,15 @@ def test_dcp_fsspec_reader_and_dtensor_spec_exist() -> None:
         "builds host copies of DTensors from it")
 
 
+def test_the_dtensor_sharding_caches_can_be_cleared() -> None:
+    # elastic/sharded/model.py forget_old_meshes(): a new world's mesh equals an old world's
+    # of the same size, and torch's DTensor caches would hand the new world's tensors the old
+    # mesh object (this process's old coordinate): wrong checkpoint offsets, dead groups.
+    assert torch_private.clear_dtensor_caches() == [], (
+        "a DTensor sharding-propagation cache can no longer be cleared; sharded models "
+        "re-sharded in place may carry an old world's mesh")
+
+
 def test_torchrun_argument_parsing_entry_points_exist() -> None:
     from torch.distributed.argparse_util import env
     from torch.distributed.run import config_from_args, get_args_parser

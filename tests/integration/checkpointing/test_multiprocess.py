@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.distributed.checkpoint import FileSystemReader
 
 from checkpointing import CheckpointManager, ModelOptimizerState
 from checkpointing.errors import CheckpointError
@@ -89,12 +90,28 @@ def test_two_ranks_save_replicated_state_once_and_one_rank_restores_it_bit_ident
     d = tmp_path / "step-0000000003_r0000"
     record = json.loads((d / "COMMIT.json").read_text())
     assert record["world_size"] == world
-    shards = {
-        name: entry["size"] for name, entry in record["files"].items() if name.endswith(".distcp")
-    }
-    # Replicated tensors are written once in total, spread over both ranks.
-    assert {n.split("_")[2] for n in shards} == {"0", "1"}
+    shards = {name: entry["size"] for name, entry in record["files"].items()
+              if name.endswith(".distcp")}
+    assert shards == {p.name: p.stat().st_size for p in d.glob("*.distcp")}
+    # Both ranks wrote a share: the replicated state is spread over them.
+    assert sorted(shards) == ["__0_0.distcp", "__1_0.distcp"]
     assert all(size > 0 for size in shards.values())
+    # Every item is stored in exactly one place, and every byte of a shard belongs to one item.
+    stored = FileSystemReader(str(d)).read_metadata().storage_data
+    per_file: dict[str, int] = {}
+    for info in stored.values():
+        per_file[info.relative_path] = per_file.get(info.relative_path, 0) + info.length
+    assert per_file == shards
+    # Written once in total: the two ranks wrote exactly the bytes one rank alone writes for
+    # the same state (each replicated tensor twice would double it).
+    alone = tmp_path / "one-rank"
+    model, optim = make_model_and_optimizer()
+    train_steps(model, optim, 3)
+    with CheckpointManager(str(alone), run_id="mp") as mgr:
+        mgr.save(3, {"app": ModelOptimizerState(model, optim, extra={"step": 3})}
+                 ).committed.result(timeout=60)
+    one_rank = sum(p.stat().st_size for p in alone.glob("step-*/*.distcp"))
+    assert sum(shards.values()) == one_rank, (shards, one_rank)
 
     model, optim = make_model_and_optimizer()
     train_steps(model, optim, 3)

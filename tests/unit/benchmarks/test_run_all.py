@@ -434,6 +434,38 @@ def _goodput(launcher: str, goodput: float, training: float,
                              stopwatch_training_goodput=training, reported_goodput=reported))
 
 
+def _sharded_result() -> dict[str, Any]:
+    # The shape sharded_recovery.py's main() builds and writes with --json.
+    return {"state_mb": 226.5, "load": (1.0, 1.0, 1.0), "step_on_s": [3.0, 3.2, 3.02],
+            "step_off_s": [3.0, 2.9, 3.0], "inplace_s": [4.0, 5.0, 6.0], "inplace_lost": [3, 0, 2],
+            "restart_s": [30.0, 36.0, 33.0], "restart_lost": [2, 2, 2],
+            "inplace_resumed_s": [1.0, 2.0, 1.5], "restart_resumed_s": [28.0, 30.0, 29.0],
+            "copy_stats": []}
+
+
+def test_sharded_rows_recovery_and_copies_against_the_same_runs_baselines() -> None:
+    from benchmarks import sharded_recovery
+
+    data = _sharded_result()
+    recovery, resumed, lost, step = run_all.sharded_rows(data)
+    assert recovery.ours == 5.0 and recovery.baseline == 33.0 and recovery.met is True
+    assert recovery.ratio == pytest.approx(5.0 / 33.0) and "226 MB" in recovery.measure
+    assert resumed.ours == 1.5 and resumed.baseline == 29.0 and resumed.met is None
+    assert lost.ours == 2 and lost.unit == "steps"
+    assert step.ratio == pytest.approx(3.02 / 3.0) and step.met is True
+    data["step_on_s"] = [3.1, 3.1, 3.1]
+    assert run_all.sharded_rows(data)[-1].met is False  # 1.033x: over the 1 % goal
+    # The script's own table reads the same dict.
+    table = sharded_recovery.report(data)
+    assert "| 5.00 | 33.00 (restart + DCP load) | 0.152 | <= 0.2 | yes |" in table
+
+
+def test_sharded_rows_of_a_partial_run_give_only_what_was_measured() -> None:
+    data = {**_sharded_result(), "inplace_s": [], "restart_s": []}  # --only steps
+    (step,) = run_all.sharded_rows(data)
+    assert step.baseline_name == "redundancy=0, same run"
+
+
 def test_goodput_goal_needs_both_the_level_and_beating_torchrun() -> None:
     stdout = "Goodput, 3 nodes (CPU, gloo), a node killed every 30 s and replaced 5 s later"
     runs = [_goodput("elastic-run-inplace", 0.96, 0.96, reported=0.955),

@@ -25,12 +25,18 @@ from elastic.process_group import NCCL_ASYNC_ERROR_HANDLING_ENV, set_nccl_error_
 from torch_private import accelerator_backends
 
 _ABORT_AFTER_S = 0.5
+#: The groups' and the store's timeout here: what a blocked call would wait without an abort.
+_TIMEOUT_S = 60
+#: The design: an abort shuts the world's connections down, so a blocked call raises at once
+#: (about 0.02 s); without it the call waits for the 60 s timeout. A third of that tells the
+#: two apart with room for a loaded 2-core machine.
+_AT_ONCE_S = _TIMEOUT_S / 3
 
 
 def _store_server() -> dist.TCPStore:
     # Hosted by the test process, as a node agent hosts it for its workers.
     return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                         timeout=timedelta(seconds=60))
+                         timeout=timedelta(seconds=_TIMEOUT_S))
 
 
 def _abort_later(world_abort: WorldAbort, times: dict[str, float], reason: str) -> None:
@@ -45,9 +51,10 @@ def _abort_later(world_abort: WorldAbort, times: dict[str, float], reason: str) 
 def _build(port: int, prefix: str, rank: int, world_size: int) -> WorldAbort:
     """One world as the in-place worker builds it: snapshot, store client, groups."""
     world_abort = WorldAbort(name=prefix)
-    client = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
+    client = dist.TCPStore("127.0.0.1", port, is_master=False,
+                           timeout=timedelta(seconds=_TIMEOUT_S))
     dist.init_process_group("gloo", store=dist.PrefixStore(prefix, client), rank=rank,
-                            world_size=world_size, timeout=timedelta(seconds=60))
+                            world_size=world_size, timeout=timedelta(seconds=_TIMEOUT_S))
     world_abort.built(dist.group.WORLD)
     return world_abort
 
@@ -121,7 +128,7 @@ def test_a_thread_aborts_a_collective_blocked_on_a_silent_peer_and_the_process_t
         result = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert result["raised"] is not None, f"rank {rank}'s all_reduce did not fail"
         assert "closed" in result["raised"].lower() or "reset" in result["raised"].lower()
-        assert result["raised_after_abort_s"] < 2.0, result
+        assert result["raised_after_abort_s"] < _AT_ONCE_S, result
         assert result["abort_error_is_a_peer_failure"]
         assert result["replicas_equal"] and result["trained"]
 
@@ -132,11 +139,12 @@ def _member_that_waits_for_a_member_that_never_comes(port: int, out: str) -> Non
     result: dict[str, Any] = {}
     times: dict[str, float] = {}
     world_abort = WorldAbort(name="e1/")
-    client = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
+    client = dist.TCPStore("127.0.0.1", port, is_master=False,
+                           timeout=timedelta(seconds=_TIMEOUT_S))
     _abort_later(world_abort, times, "member 1 is gone")
     try:
         dist.init_process_group("gloo", store=dist.PrefixStore("e1/", client), rank=0,
-                                world_size=2, timeout=timedelta(seconds=60))
+                                world_size=2, timeout=timedelta(seconds=_TIMEOUT_S))
         result["raised"] = None
     except RuntimeError as exc:  # DistNetworkError: the store connection was shut down
         result["raised"] = f"{type(exc).__name__}: {exc}"[:300]
@@ -163,7 +171,7 @@ def test_a_thread_aborts_a_build_blocked_on_a_member_that_never_comes(tmp_path: 
            90, tmp_path, 1)
     result = json.loads((tmp_path / "rank0.json").read_text())
     assert result["raised"] is not None and "DistNetworkError" in result["raised"], result
-    assert result["raised_after_abort_s"] < 2.0, result
+    assert result["raised_after_abort_s"] < _AT_ONCE_S, result
     assert result["built_refused"] and result["new_world_works"]
 
 
@@ -396,3 +404,46 @@ def test_a_worlds_nccl_groups_get_the_error_handling_of_the_elastic_mode(
         groups.build_groups("nccl", store=dist.HashStore(), epoch=1, rank=0, world_size=1,
                             device=torch.device("cpu"), timeout=timedelta(seconds=5))
     assert seen == [expected]
+
+
+def _member_of_a_group_built_after_the_world(rank: int, port: int, out: str) -> None:
+    from elastic.inplace.groups import abort_groups
+    from torch_private import socket_inodes
+
+    result: dict[str, Any] = {"rank": rank}
+    world_abort = _build(port, "e1/", rank, 3)
+    before = socket_inodes()
+    later = dist.new_group(backend="gloo", timeout=timedelta(seconds=60))  # a mesh's, say
+    world_abort.adopt(before, later)
+    dist.all_reduce(torch.ones(4), group=later)  # all three are in it
+    if rank == 2:
+        time.sleep(60)  # silent: alive, connected, never in the collective again
+        return
+    times: dict[str, float] = {}
+    _abort_later(world_abort, times, "rank 2 is gone")
+    try:
+        dist.all_reduce(torch.ones(1 << 16), group=later)
+        result["raised"] = None
+    except RuntimeError as exc:
+        result["raised"] = f"{type(exc).__name__}: {exc}"[:300]
+    result["raised_after_abort_s"] = time.monotonic() - times["abort"]
+    abort_groups(world_abort)
+    try:
+        world_abort.adopt(socket_inodes())
+        result["adopt_refused"] = False
+    except WorldAbortedError:
+        result["adopt_refused"] = True
+    Path(out, f"rank{rank}.json").write_text(json.dumps(result))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_groups_adopted_after_the_build_are_aborted_with_the_world(tmp_path: Path) -> None:
+    server = _store_server()
+    _spawn(_member_of_a_group_built_after_the_world,
+           [(rank, server.port, str(tmp_path)) for rank in range(3)], 90, tmp_path, 2)
+    for rank in (0, 1):
+        result = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert result["raised"] is not None, f"rank {rank}'s all_reduce did not fail"
+        assert result["raised_after_abort_s"] < 2.0, result
+        assert result["adopt_refused"], result

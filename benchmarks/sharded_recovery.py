@@ -1,0 +1,388 @@
+"""Sharded models in place: recovery from a lost worker against the restart path, and what
+the peer copies cost per step.
+
+Six workers (three ``elastic-run`` agents on 127.0.0.1, two workers each, gloo, CPU, an
+embedded etcd) train an MLP of ``--layers`` square ``--hidden`` layers, ``fully_shard`` per
+layer, with Adam: at the defaults 18.9 M parameters, 226 MB of parameters and Adam state
+(38 MB per worker). The worker is this file (``--worker``), written the explicit way; it logs
+``time,generation,rank,step,pid,world`` after every completed step. In one invocation:
+
+1. **Step time, copies off and on**: two jobs without faults, ``redundancy=0`` and
+   ``redundancy=1`` (the default: peer copies at the automatic cadence, at most 1 % of the
+   training time); the median time between two completed steps of rank 0 after
+   ``--warmup`` steps. Goal: on / off <= 1.01.
+2. **Recovery in place**: a job with copies and checkpoints (every ``--interval`` steps); a
+   worker of node 1 is SIGKILLed; recovery is the time from the kill to the first step a
+   worker of node 0 completes in the new world (re-sharded from the survivors' shards and the
+   lost worker's copy, no storage read), and the steps it went back.
+3. **Recovery by restart**: the same job under ``--elastic-mode restart`` (every worker is
+   restarted and loads the last checkpoint, re-sharded by DCP into the world it finds); the
+   kill comes once a checkpoint is committed; recovery is the time from the kill to the first
+   step a new worker of node 0 completes. Goal: in place <= 1/5 of this.
+
+Both recoveries include that first step's compute; the table also gives, for each, the time
+from the kill to the moment that step starts (the heal or the restart and load alone), from
+the ``<out>.starts`` log each worker writes at the start of every step.
+
+Prints the load average, a Markdown table with the ratios and goals, and each worker's
+copy statistics (refreshes, what one costs, the cadence chosen). ``--json`` writes it all.
+
+Usage::
+
+    python benchmarks/sharded_recovery.py [--runs 1] [--steps 40] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import itertools
+import json
+import logging
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from recovery_vs_torchrun import (  # a sibling script, not a package
+    _kill,
+    _start_etcd,
+    _tree,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+GLOBAL_BATCH = 48
+MICRO_BATCH = 8
+RECOVERY_GOAL = 0.2  # in place / restart
+OVERHEAD_GOAL = 1.01  # step time with copies on / off
+
+
+# --------------------------------------------------------------------------------------------
+# The worker (this same file, run with --worker by each agent)
+
+
+def worker_main(args: argparse.Namespace) -> int:
+    """Train the sharded MLP; log one line per completed step; print the copies' figures."""
+    import torch
+    from torch import nn
+    from torch.distributed.fsdp import fully_shard
+    from torch.utils.data import DataLoader, TensorDataset
+
+    import elastic
+
+    def parallelize(model: nn.Module, mesh: Any) -> nn.Module:
+        for layer in model:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        return model
+
+    logging.basicConfig(level=logging.INFO, format="[%(asctime)s] %(levelname)s %(name)s"
+                        "[%(process)d]: %(message)s")
+    ctx = elastic.init("gloo", inplace=True)
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for _ in range(args.layers):
+        layers += [nn.Linear(args.hidden, args.hidden), nn.ReLU()]
+    data = torch.Generator().manual_seed(1)
+    dataset = TensorDataset(torch.randn(1024, args.hidden, generator=data),
+                            torch.randn(1024, args.hidden, generator=data))
+    sampler = elastic.ElasticSampler(len(dataset), seed=3)
+    with open(args.out, "a") as log, elastic.ElasticLoop(
+        ctx, model=nn.Sequential(*layers), parallelize=parallelize,
+        optimizer=lambda params: torch.optim.Adam(params, lr=1e-4),
+        redundancy=args.redundancy, sampler=sampler, max_steps=args.max_steps,
+        checkpoint=args.ckpt or None, checkpoint_interval=args.interval,
+        global_batch_size=GLOBAL_BATCH, micro_batch_size=MICRO_BATCH,
+    ) as loop:
+        loader = DataLoader(dataset, batch_sampler=loop.batch_sampler())
+        started = open(args.out + ".starts", "a")  # noqa: SIM115 (closed below)
+        for _ in loop:
+            # The moment a step starts: after a change, when the heal is over and training
+            # resumes (the recovery's own share, without the next step's compute).
+            started.write(f"{time.time():.4f},{ctx.generation},{ctx.rank},{loop.step},"
+                          f"{os.getpid()},{ctx.world_size}\n")
+            started.flush()
+            with loop.step_guard():
+                model = loop.module
+                for x, y in loop.micro_batches(loader, model):
+                    loop.scale_loss(nn.functional.mse_loss(model(x), y)).backward()
+                loop.optimizer.step()
+                loop.optimizer.zero_grad(set_to_none=True)
+                loop.end_step()
+                log.write(f"{time.time():.4f},{ctx.generation},{ctx.rank},{loop.step},"
+                          f"{os.getpid()},{ctx.world_size}\n")
+                log.flush()
+        started.close()
+        copies = loop._copies
+        if copies is not None:
+            print("[sharded-bench] " + json.dumps({
+                "rank": ctx.rank, "refreshes": copies.refreshes,
+                "blocking_ms": round(copies.blocking_s * 1e3, 2),
+                "exchange_ms": round(copies.exchange_s * 1e3, 2),
+                "steps": loop.step}), flush=True)
+    return 0
+
+
+# --------------------------------------------------------------------------------------------
+# The driver
+
+
+@dataclass(frozen=True)
+class Row:
+    t: float
+    gen: int
+    rank: int
+    step: int
+    pid: int
+    world: int
+
+
+def _starts(out: Path) -> Path:
+    return out.with_name(out.name + ".starts")
+
+
+def _rows(out: Path) -> list[Row]:
+    rows = []
+    if out.exists():
+        for line in out.read_text().splitlines():
+            parts = line.split(",")
+            if len(parts) == 6:
+                with contextlib.suppress(ValueError):
+                    rows.append(Row(float(parts[0]), *map(int, parts[1:])))  # type: ignore[arg-type]
+    return rows
+
+
+def _wait(out: Path, pred: Any, timeout: float) -> Row | None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for row in _rows(out):
+            if pred(row):
+                return row
+        time.sleep(0.05)
+    return None
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(p) for p in f.read().split()]
+    except OSError:
+        return []
+
+
+@dataclass
+class Job:
+    """Three agents of one job, two workers each."""
+
+    name: str
+    workdir: Path
+    endpoint: str
+    mode: str
+    worker: list[str]
+    agents: list[subprocess.Popen[bytes]] = field(default_factory=list)
+
+    @property
+    def out(self) -> Path:
+        return self.workdir / f"{self.name}.csv"
+
+    def start(self, nodes: int = 3) -> None:
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+        for i in range(nodes):
+            log = open(self.workdir / f"{self.name}.agent{i}.log", "wb")  # noqa: SIM115
+            self.agents.append(subprocess.Popen(
+                [sys.executable, "-m", "launch", "--etcd", self.endpoint, "--job-id",
+                 f"{self.name}-{os.getpid()}", "--elastic-mode", self.mode, "--nnodes", "3",
+                 "--nproc-per-node", "2", "--max-restarts", "3", "--monitor-interval", "0.1",
+                 *self.worker], stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO,
+                start_new_session=True))
+
+    def stop(self) -> None:
+        for agent in self.agents:
+            _kill(_tree(agent.pid))
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                agent.wait(30)
+
+    def wait_done(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        for agent in self.agents:
+            agent.wait(max(1.0, deadline - time.monotonic()))
+
+    def copy_stats(self) -> list[dict[str, Any]]:
+        found = []
+        for log in sorted(self.workdir.glob(f"{self.name}.agent*.log")):
+            for line in log.read_text(errors="replace").splitlines():
+                if "[sharded-bench] " in line:
+                    found.append(json.loads(line.split("[sharded-bench] ", 1)[1]))
+        return found
+
+
+def _worker_args(args: argparse.Namespace, out: Path, ckpt: str, redundancy: int,
+                 steps: int) -> list[str]:
+    return [str(Path(__file__).resolve()), "--worker", "--out", str(out), "--ckpt", ckpt,
+            "--redundancy", str(redundancy), "--max-steps", str(steps), "--hidden",
+            str(args.hidden), "--layers", str(args.layers), "--interval", str(args.interval)]
+
+
+def step_time(args: argparse.Namespace, endpoint: str, workdir: Path, redundancy: int,
+              tag: str) -> tuple[float, list[dict[str, Any]]]:
+    """Median seconds between two completed steps of rank 0 (after the warm-up)."""
+    name = f"steps-{tag}"
+    job = Job(name, workdir, endpoint, "inplace", [])
+    job.worker = _worker_args(args, job.out, "", redundancy, args.steps)
+    job.start()
+    try:
+        job.wait_done(args.timeout)
+    finally:
+        job.stop()
+    times = sorted(r.t for r in _rows(job.out) if r.rank == 0 and r.step > args.warmup)
+    gaps = [b - a for a, b in itertools.pairwise(times)]
+    if not gaps:
+        raise RuntimeError(f"job {name} completed no step past the warm-up; see {workdir}")
+    return statistics.median(gaps), job.copy_stats()
+
+
+def recovery(args: argparse.Namespace, endpoint: str, workdir: Path, mode: str,
+             tag: str) -> dict[str, float]:
+    """Seconds from a worker's SIGKILL to node 0's first step in the new world, and the steps
+    the job went back."""
+    name = f"recover-{tag}"
+    job = Job(name, workdir, endpoint, mode, [])
+    ckpt = workdir / f"{name}-ckpt"
+    job.worker = _worker_args(args, job.out, str(ckpt), 1, 10 * args.steps)
+    job.start()
+    try:
+        warm = max(args.warmup, args.interval + 2)
+        if _wait(job.out, lambda r: r.step >= warm, args.timeout) is None:
+            raise RuntimeError(f"job {name} did not reach step {warm}; see {workdir}")
+        if mode == "restart" and _wait(job.out, lambda r: any(ckpt.glob("*/COMMIT.json")),
+                                       args.timeout) is None:
+            raise RuntimeError(f"job {name} committed no checkpoint; see {workdir}")
+        node0 = set(_children(job.agents[0].pid))
+        victim = _children(job.agents[1].pid)[0]
+        before = _rows(job.out)
+        old = {(r.pid, r.gen) for r in before}
+        reached = max(r.step for r in before)
+        t_kill = time.time()
+        _kill([victim])
+        row = _wait(job.out, lambda r: r.t > t_kill and (r.pid, r.gen) not in old
+                    and (r.pid in node0 or mode == "restart"), args.timeout)
+        if row is None:
+            raise RuntimeError(f"job {name} did not recover within {args.timeout} s")
+        reached = max(r.step for r in _rows(job.out) if (r.pid, r.gen) in old)
+        resumed = min((r.t for r in _rows(_starts(job.out))
+                       if r.t > t_kill and r.gen == row.gen and r.pid == row.pid), default=row.t)
+        return {"recovery_s": row.t - t_kill, "resumed_s": resumed - t_kill,
+                "steps_lost": max(0, reached - (row.step - 1))}
+    finally:
+        job.stop()
+
+
+def report(result: dict[str, Any]) -> str:
+    """The Markdown table (the rows measured), with ratios to the same run's baselines."""
+    def med(key: str) -> float:
+        return statistics.median(result[key])
+
+    lines = [
+        f"load average: {result['load']}",
+        "",
+        "| measure | in place (copies on) | baseline | ratio | goal | met? |",
+        "|---|---|---|---|---|---|",
+    ]
+    if result["inplace_s"] and result["restart_s"]:
+        inplace, restart = med("inplace_s"), med("restart_s")
+        resumed, restarted = med("inplace_resumed_s"), med("restart_resumed_s")
+        lines += [
+            f"| recovery from a worker SIGKILL (s) | {inplace:.2f} | {restart:.2f} (restart + "
+            f"DCP load) | {inplace / restart:.3f} | <= {RECOVERY_GOAL} | "
+            f"{'yes' if inplace / restart <= RECOVERY_GOAL else 'no'} |",
+            f"| of which: kill to training resumed (s) | {resumed:.2f} | {restarted:.2f} | "
+            f"{resumed / restarted:.3f} | | |",
+            f"| steps lost | {med('inplace_lost'):.0f} | {med('restart_lost'):.0f} | | | |",
+        ]
+    if result["step_on_s"] and result["step_off_s"]:
+        on, off = med("step_on_s"), med("step_off_s")
+        lines.append(f"| step time (s) | {on:.3f} | {off:.3f} (redundancy=0) | {on / off:.4f} | "
+                     f"<= {OVERHEAD_GOAL} | {'yes' if on / off <= OVERHEAD_GOAL else 'no'} |")
+    lines += ["", f"state: {result['state_mb']:.0f} MB of parameters and Adam state over 6 "
+                  f"workers; runs: {max(len(result['inplace_s']), len(result['step_on_s']))}"]
+    stats = result["copy_stats"]
+    if stats:
+        refreshes = statistics.median(s["refreshes"] for s in stats)
+        steps = statistics.median(s["steps"] for s in stats)
+        lines.append(
+            f"copies (redundancy=1, automatic cadence): {refreshes:.0f} refreshes in "
+            f"{steps:.0f} steps (one every {steps / max(refreshes, 1):.1f} steps); last "
+            f"refresh blocked {statistics.median(s['blocking_ms'] for s in stats):.1f} ms and "
+            f"its transfers took {statistics.median(s['exchange_ms'] for s in stats):.1f} ms "
+            "(medians over workers)")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--out", default="")
+    parser.add_argument("--ckpt", default="")
+    parser.add_argument("--redundancy", type=int, default=1)
+    parser.add_argument("--max-steps", type=int, default=40)
+    parser.add_argument("--hidden", type=int, default=1536)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--interval", type=int, default=10, help="steps between checkpoints")
+    parser.add_argument("--steps", type=int, default=40, help="steps of the step-time jobs")
+    parser.add_argument("--warmup", type=int, default=8)
+    parser.add_argument("--runs", type=int, default=1)
+    parser.add_argument("--timeout", type=float, default=900.0)
+    parser.add_argument("--json", default="")
+    parser.add_argument("--only", choices=("steps", "recovery"), default=None,
+                        help="run only the step-time jobs or only the recovery jobs")
+    parser.add_argument("--workdir", default="")
+    args = parser.parse_args(argv)
+    if args.worker:
+        return worker_main(args)
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="sharded-bench-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    print(f"work directory: {workdir}", flush=True)
+    params = args.layers * (args.hidden * args.hidden + args.hidden)
+    result: dict[str, Any] = {
+        "state_mb": 3 * 4 * params / 1e6, "load": os.getloadavg(),
+        "step_on_s": [], "step_off_s": [], "inplace_s": [], "inplace_lost": [],
+        "restart_s": [], "restart_lost": [], "inplace_resumed_s": [], "restart_resumed_s": [],
+        "copy_stats": []}
+    etcd, endpoint = _start_etcd(workdir)
+    try:
+        for run in range(args.runs):
+            if args.only != "recovery":
+                off, _ = step_time(args, endpoint, workdir, 0, f"off{run}")
+                on, stats = step_time(args, endpoint, workdir, 1, f"on{run}")
+                result["step_off_s"].append(off)
+                result["step_on_s"].append(on)
+                result["copy_stats"].extend(stats)
+            for mode, key in (("inplace", "inplace"), ("restart", "restart")):
+                if args.only == "steps":
+                    break
+                measured = recovery(args, endpoint, workdir, mode, f"{mode}{run}")
+                result[f"{key}_s"].append(measured["recovery_s"])
+                result[f"{key}_resumed_s"].append(measured["resumed_s"])
+                result[f"{key}_lost"].append(measured["steps_lost"])
+            print(f"run {run}: " + json.dumps({k: v[-1] for k, v in result.items()
+                                               if isinstance(v, list) and v
+                                               and k != "copy_stats"}), flush=True)
+    finally:
+        etcd.stop()
+    table = report(result)
+    print(table)
+    if args.json:
+        Path(args.json).write_text(json.dumps({**result, "table": table,
+                                               "args": vars(args)}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,75 @@
+"""The failure note a restart-mode node publishes when its workers die as it restarts them.
+
+The leader ends the run as the script's own bug when every node reports the same error at the
+same step and at least one note is a worker's own failure (``membership.proposal``). When a
+node is killed, the survivors' workers all die of its loss ("Connection reset by peer", one
+step) and are restarted for the world that names it lost: that note must not count as their
+own, or the run ends as failed (two chaos campaigns ended so).
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any, cast
+
+from elastic.contract.records import WorldMember, WorldRecord
+from launch.failure_judge import FailureJudge
+from launch.slot_state import Slot
+from membership.proposal import common_failure
+
+
+def _world(epoch: int, *workers: str, lost: tuple[str, ...] = (),
+           cause: str = "") -> WorldRecord:
+    members = tuple(WorldMember(w.split("/")[0], "127.0.0.1", (w.split("/")[1],), 1)
+                    for w in workers)
+    return WorldRecord(epoch, members, ("127.0.0.1", 1), "restart", lost=lost, cause=cause)
+
+
+def _judge(node: str, newest: WorldRecord) -> FailureJudge:
+    run = SimpleNamespace(world=lambda: newest)
+    config = SimpleNamespace(budget=None)
+    noop = lambda *_a, **_k: None  # noqa: E731
+    return FailureJudge(cast(Any, config), cast(Any, None), cast(Any, None), cast(Any, None),
+                        node=lambda: node, run=lambda: cast(Any, run),
+                        still_connected=lambda _p: False, broadcast=noop, wake=noop)
+
+
+TRAINED = _world(11, "n0/0.6", "n1/0.5", "n2/0.3")
+ERROR = "RuntimeError: [gloo/pair.cc:537] Read error [127.0.0.1]:15285: Connection reset by peer"
+
+
+def _died_as_restarted(judge: FailureJudge, *, peer_type: bool = True) -> dict[str, Any]:
+    slot = Slot(local_rank=0, incarnation=6, started_for=TRAINED,
+                report={"before_stop": True, "error": ERROR, "step": 37,
+                        "peer_type": peer_type})
+    judge.restarted_while_dying(slot)
+    assert judge.failure_note is not None
+    return judge.failure_note
+
+
+def test_survivors_of_a_lost_node_note_a_failure_that_is_not_their_own() -> None:
+    # Restart mode's "everyone restart" world after n2's record went (its node was killed).
+    after_loss = _world(12, lost=("n2/0.3",), cause="node_lost")
+    notes = [_died_as_restarted(_judge(node, after_loss)) for node in ("n0", "n1")]
+    assert [n["own"] for n in notes] == [False, False]
+    records = [SimpleNamespace(departing=None, workers=(1,), failure=n) for n in notes]
+    assert common_failure(cast(Any, records)) is None  # the run goes on
+
+
+def test_a_restart_no_peer_loss_explains_keeps_the_error_the_workers_own() -> None:
+    # The newer world names only this node's own worker lost, or nobody, or peers of live
+    # nodes that failed too (a script raising on every rank): the error is the script's
+    # until shown otherwise, and every node dying of it ends the run.
+    for newest in (_world(12, lost=("n0/0.6",), cause="node_lost"),
+                   _world(12, "n0/0.6", "n1/0.5"),
+                   _world(12, lost=("n1/0.5", "n2/0.3"), cause="worker_failed")):
+        assert _died_as_restarted(_judge("n0", newest))["own"] is True
+    notes = [_died_as_restarted(_judge(node, _world(12))) for node in ("n0", "n1")]
+    records = [SimpleNamespace(departing=None, workers=(1,), failure=n) for n in notes]
+    ended = common_failure(cast(Any, records))
+    assert ended is not None and ended.step == 37
+
+
+def test_an_error_no_peer_causes_is_the_workers_own_even_after_a_loss() -> None:
+    after_loss = _world(12, lost=("n2/0.3",), cause="node_lost")
+    assert _died_as_restarted(_judge("n0", after_loss), peer_type=False)["own"] is True
