@@ -75,6 +75,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from recovery_vs_torchrun import _children, _tree  # a sibling script, not a package
+
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "examples" / "train_torchrun.py"
 FAULTS = ("worker", "node")
@@ -115,21 +118,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def _children(pid: int) -> list[int]:
-    try:
-        with open(f"/proc/{pid}/task/{pid}/children") as f:
-            return [int(p) for p in f.read().split()]
-    except OSError:
-        return []
-
-
-def _tree(pid: int) -> list[int]:
-    out = [pid]
-    for child in _children(pid):
-        out.extend(_tree(child))
-    return out
 
 
 def _alive(pid: int) -> bool:

@@ -123,7 +123,7 @@ class Job:
         return found
 
     def worker_of(self, index: int) -> int:
-        (pid,) = workers(self.agents[index].pid)
+        (pid,) = workers(self.agents[index])
         return pid
 
     def wait_standbys(self, indexes: list[int]) -> None:

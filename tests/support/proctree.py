@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import time
 from collections.abc import Iterable
@@ -72,9 +73,25 @@ def children(pid: int) -> list[int]:
     return sorted((c for c, (p, _) in table.items() if p == pid), key=lambda c: table[c][1])
 
 
-def workers(pid: int) -> list[int]:
-    """:func:`children` of an agent that are workers: without its warm standbys that no
-    world was handed to yet (:mod:`launch.standby`, told apart by their ``comm`` name)."""
+#: The agent's line for each worker it starts, cold or in a warm standby (launch/slots.py).
+_STARTED_WORKER = re.compile(r"started worker \d+\.\d+ \(pid (\d+)[,)]")
+
+
+def workers(pid: int, log: str | None = None) -> list[int]:
+    """:func:`children` of an agent that are workers, oldest first: without its warm standbys
+    that no world was handed to yet (:mod:`launch.standby`).
+
+    Args:
+        pid: The agent.
+        log: The agent's output so far. With it, exactly the children it names as started
+            workers; without it, the children but those whose ``comm`` name says standby,
+            which misses two moments: a standby's first tenth of a second (before it names
+            itself) looks like a worker, and a world handed to a standby still importing
+            looks like a standby until its imports end.
+    """
+    if log is not None:
+        named = {int(found) for found in _STARTED_WORKER.findall(log)}
+        return [c for c in children(pid) if c in named]
     from launch.standby import is_standby
 
     return [c for c in children(pid) if not is_standby(c)]

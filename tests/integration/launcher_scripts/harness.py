@@ -79,12 +79,12 @@ def children(pid: int) -> list[int]:
         return []
 
 
-def workers(pid: int) -> list[int]:
-    """Direct children of an agent ``pid`` that are workers: not its warm standbys still
-    waiting for a world (``launch.standby``; they are in :func:`tree`)."""
-    from launch.standby import is_standby
+def workers(agent: Agent) -> list[int]:
+    """The agent's live workers, oldest first: the children its log names as started workers
+    (not its warm standbys, which are in :func:`tree`)."""
+    from tests.support.proctree import workers as named_workers
 
-    return [c for c in children(pid) if not is_standby(c)]
+    return named_workers(agent.pid, agent.output())
 
 
 def tree(pid: int) -> list[int]:
@@ -125,7 +125,7 @@ class Agent:
         return self.proc.pid
 
     def worker_pids(self) -> list[int]:
-        return workers(self.pid)
+        return workers(self)
 
     def output(self) -> str:
         return self.log.read_text(errors="replace")

@@ -83,7 +83,7 @@ class InPlaceJob:
         return found[0]
 
     def worker_pid(self, agent: Agent) -> int:
-        pids = workers(agent.pid)
+        pids = workers(agent)
         assert len(pids) == 1, f"agent {agent.pid} has workers {pids}"
         return pids[0]
 
