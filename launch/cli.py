@@ -139,10 +139,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     group.add_argument(
         "--warm-standby", dest="warm_standby", type=str,
-        default=os.environ.get(env.WARM_STANDBY) or "on",
-        help=f"'on' (default) or 'off' (env {env.WARM_STANDBY}): keep one started interpreter "
-        "per worker slot, torch imported, and start restarted workers in it instead of a cold "
-        "process (no CUDA is initialised before a worker starts in it).",
+        default=os.environ.get(env.WARM_STANDBY) or "auto",
+        help=f"'auto' (default), 'on' or 'off' (env {env.WARM_STANDBY}): keep one started "
+        "interpreter per worker slot, torch imported, and start restarted workers in it "
+        "instead of a cold process (no CUDA is initialised before a worker starts in it). "
+        "'auto' drops them once the node's workers reconfigure in place (only a crashed "
+        "worker restarts then, and nobody waits for it); 'on' keeps them then too.",
     )
     group.add_argument(
         "--memory-checkpoints", dest="memory_checkpoints", type=str,
@@ -361,8 +363,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         raise ConfigError(
             f"--elastic-mode ({args.elastic_mode!r}) must be 'auto', 'inplace' or 'restart'."
         )
-    if args.warm_standby not in ("on", "off"):
-        raise ConfigError(f"--warm-standby ({args.warm_standby!r}) must be 'on' or 'off'.")
+    if args.warm_standby not in ("auto", "on", "off"):
+        raise ConfigError(
+            f"--warm-standby ({args.warm_standby!r}) must be 'auto', 'on' or 'off'.")
     if args.memory_checkpoints not in ("on", "off"):
         raise ConfigError(
             f"--memory-checkpoints ({args.memory_checkpoints!r}) must be 'on' or 'off'.")

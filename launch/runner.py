@@ -170,7 +170,7 @@ def run(args: argparse.Namespace) -> int:
         "address": addr,
         "interface": interface_of(addr) or "(not local)",
         "elastic mode": agent_config.mode,
-        "warm standby": "on" if agent_config.warm_standby else "off",
+        "warm standby": getattr(args, "warm_standby", "auto"),
         "memory checkpoints": memory.address if memory is not None else "off",
         "crash budget": f"{args.max_restarts} per {args.restart_window:g} s",
         "node lease ttl": f"{agent_config.ttl} s",
@@ -235,7 +235,8 @@ def _agent_config(args: argparse.Namespace, config: Any, conf: Any, addr: str,
                     **telemetry.worker_env,
                     **({env.MEMORY_STORE: memory.address} if memory is not None else {})},
         metrics_port=telemetry.metrics_port, build_timeout=args.inplace_build_timeout,
-        warm_standby=getattr(args, "warm_standby", "on") == "on",
+        warm_standby=getattr(args, "warm_standby", "auto") != "off",
+        standby_in_place=getattr(args, "warm_standby", "auto") == "on",
     )
 
 

@@ -221,9 +221,21 @@ class Supervisor:
                                  channel_path=self._channel_path(), world=None, running=None)}
 
     def tick_standbys(self) -> None:
-        """Replaces standbys that died and starts those that are due (the main loop)."""
-        if self.standby is not None:
-            self.standby.tick()
+        """Replaces standbys that died and starts those that are due (the main loop); drops
+        them for good once this node's workers declared that they reconfigure in place,
+        unless ``standby_in_place``."""
+        if self.standby is None:
+            return
+        if not self.config.standby_in_place and any(s.inplace for s in self.slots):
+            # In place only a crashed worker restarts, and the survivors train on without
+            # waiting for it: a standby would hold its memory, and spend its imports' CPU
+            # beside the training after every replacement, for nothing the survivors feel.
+            self.standby.close()
+            self.standby = None
+            logger.info("this node's workers reconfigure in place: no warm standbys kept "
+                        "(--warm-standby on keeps them)")
+            return
+        self.standby.tick()
 
     def close_standbys(self) -> None:
         """Kills the standbys (the agent is leaving)."""

@@ -115,7 +115,7 @@ def test_standalone_uses_our_backend_and_a_fresh_job_id(script: str) -> None:
         (["--etcd", "a:1", "--rdzv-id", " x"], r"the job id \(' x'\) must be"),
         (["--standalone", "--job-id", "team/exp"], r"the job id \('team/exp'\)"),
         (["--standalone", "--warm-standby", "yes"],
-         r"^--warm-standby \('yes'\) must be 'on' or 'off'"),
+         r"^--warm-standby \('yes'\) must be 'auto', 'on' or 'off'"),
         (["--standalone", "--memory-checkpoints", "1"],
          r"^--memory-checkpoints \('1'\) must be 'on' or 'off'"),
     ],
@@ -200,7 +200,9 @@ def test_the_restart_caches_are_on_by_default_and_turn_off_by_flag_or_environmen
     monkeypatch.delenv("ELASTIC_MEMORY_CHECKPOINTS", raising=False)
     base = ["--standalone", script]
     args = cli.parse_args(base)
-    assert (args.warm_standby, args.memory_checkpoints) == ("on", "on")
+    assert (args.warm_standby, args.memory_checkpoints) == ("auto", "on")
+    args = cli.parse_args(["--warm-standby", "on", *base])
+    assert args.warm_standby == "on"
     args = cli.parse_args(["--warm-standby", "off", "--memory-checkpoints", "off", *base])
     assert (args.warm_standby, args.memory_checkpoints) == ("off", "off")
     monkeypatch.setenv("ELASTIC_WARM_STANDBY", "off")
