@@ -134,9 +134,18 @@ class Agent:
             ) from None
 
     def kill_tree(self) -> None:
-        kill(tree(self.pid))
+        """SIGKILLs the agent and every process under it, and returns once all are gone.
+
+        A SIGKILLed process takes a moment to exit (its threads are torn down first); the
+        agent, a child of the test, is reaped here, but a worker is not, and a busy host
+        once showed one still running right after the signal."""
+        pids = tree(self.pid)
+        kill(pids)
         with suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout=30)
+        deadline = time.monotonic() + 30
+        while any(alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.02)
 
     def stop(self) -> None:
         if self.proc.poll() is None:
