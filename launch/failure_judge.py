@@ -176,8 +176,7 @@ class FailureJudge:
             # standard error names what it died of.
             slot.report = report = {**report, "error": failure.process.last_error_line,
                                     "step": report.get("step", -1)}
-        return self._handle(slot, failure.process, failure.code, last_world,
-                            pending_world=failure.world, peer_node_dead=failure.peer_node_dead)
+        return self._handle(slot, failure, last_world)
 
     def _other_nodes(self, world: WorldRecord) -> list[str]:
         me = self._node()
@@ -219,14 +218,11 @@ class FailureJudge:
         return (newest is not None and newest.cause == "node_lost"
                 and self._peers_lost_since(before))
 
-    def _handle(self, slot: Slot, process: SlotProcess, code: int,
-                last_world: WorldRecord | None, *, pending_world: WorldRecord | None = None,
-                peer_node_dead: bool = False) -> bool:
-        """Decides what a failed worker costs; returns False if the budget is exhausted.
-
-        ``pending_world`` is the world the worker failed in, and ``peer_node_dead`` whether a
-        probe found another node of it dead (both decide whether a peer's failure noted
-        here may count as the script's own bug)."""
+    def _handle(self, slot: Slot, failure: PendingFailure,
+                last_world: WorldRecord | None) -> bool:
+        """Decides what the settled ``failure`` costs; returns False if the budget is
+        exhausted."""
+        process, code = failure.process, failure.code
         report = slot.report or {}
         # The newest world, not the last one followed: a mode upgrade (every worker now in
         # place) may have landed in this very tick.
@@ -258,8 +254,8 @@ class FailureJudge:
             # peers were workers of live nodes, it is the same failure as this one: a script
             # that raises on every rank at once shows each node the others' deaths first,
             # and must still end the job at once (as restart mode's rule above).
-            own = cause == "crash" or (cause == "peer_failure" and not peer_node_dead
-                                       and not self._node_lost_since(pending_world))
+            own = cause == "crash" or (cause == "peer_failure" and not failure.peer_node_dead
+                                       and not self._node_lost_since(failure.world))
             self.note(report, own=own)
             logger.warning("worker %s failed (exit code %s, %s: %s); restarting %s in %.1f s",
                            slot.local_id, code, cause, report.get("error", "no report"),

@@ -20,6 +20,8 @@ from typing import Any
 
 import pytest
 
+from tests.support import proctree
+
 REPO = Path(__file__).resolve().parents[3]
 WORKER = Path(__file__).with_name("allreduce_worker.py")
 
@@ -143,9 +145,7 @@ class Agent:
         kill(pids)
         with suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout=30)
-        deadline = time.monotonic() + 30
-        while any(alive(p) for p in pids) and time.monotonic() < deadline:
-            time.sleep(0.02)
+        proctree.wait_gone(pids, 30)
 
     def stop(self) -> None:
         if self.proc.poll() is None:
