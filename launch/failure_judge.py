@@ -126,9 +126,7 @@ class FailureJudge:
             # one step, which is no evidence of a bug in the script (two campaigns ended so).
             # Peers of live nodes that failed too are the same failure as this one: a script
             # that raises on every rank must still end the job at once.
-            newest = self._newest_world()
-            node_lost = (newest is not None and newest.cause == "node_lost"
-                         and self._peers_lost_since(slot.started_for))
+            node_lost = self._node_lost_since(slot.started_for)
             self.note(report, own=report.get("peer_type") is False or not node_lost)
             logger.warning("worker %s failed (%s) as this node restarted its workers",
                            slot.local_id, report.get("error"))
@@ -178,7 +176,7 @@ class FailureJudge:
             # standard error names what it died of.
             slot.report = report = {**report, "error": failure.process.last_error_line,
                                     "step": report.get("step", -1)}
-        return self._handle(slot, failure.process, failure.code, last_world)
+        return self._handle(slot, failure, last_world)
 
     def _other_nodes(self, world: WorldRecord) -> list[str]:
         me = self._node()
@@ -213,9 +211,18 @@ class FailureJudge:
         others = {w for w in before.ranks() if not w.startswith(mine)}
         return bool(others & (set(newest.lost) | set(newest.evicted)))
 
-    def _handle(self, slot: Slot, process: SlotProcess, code: int,
+    def _node_lost_since(self, before: WorldRecord | None) -> bool:
+        """Whether the newest world names a worker of another node of ``before`` as lost
+        and was written because a node was lost (not only its worker)."""
+        newest = self._newest_world()
+        return (newest is not None and newest.cause == "node_lost"
+                and self._peers_lost_since(before))
+
+    def _handle(self, slot: Slot, failure: PendingFailure,
                 last_world: WorldRecord | None) -> bool:
-        """Decides what a failed worker costs; returns False if the budget is exhausted."""
+        """Decides what the settled ``failure`` costs; returns False if the budget is
+        exhausted."""
+        process, code = failure.process, failure.code
         report = slot.report or {}
         # The newest world, not the last one followed: a mode upgrade (every worker now in
         # place) may have landed in this very tick.
@@ -250,7 +257,14 @@ class FailureJudge:
             # 2 s, ... (the budget's series, one step later).
             delay = 0.0 if cause != "crash" or self.budget.recent() <= 1 else delay / 2
         if cause != "stopped":
-            self.note(report, own=cause == "crash")
+            # A peer's failure is no evidence of a bug in the script when that peer's node is
+            # gone (its survivors all die of the loss with one error text). When the lost
+            # peers were workers of live nodes, it is the same failure as this one: a script
+            # that raises on every rank at once shows each node the others' deaths first,
+            # and must still end the job at once (as restart mode's rule above).
+            own = cause == "crash" or (cause == "peer_failure" and not failure.peer_node_dead
+                                       and not self._node_lost_since(failure.world))
+            self.note(report, own=own)
             logger.warning("worker %s failed (exit code %s, %s: %s); restarting %s in %.1f s",
                            slot.local_id, code, cause, report.get("error", "no report"),
                            "it in place" if in_place else "this node's workers", delay)

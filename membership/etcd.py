@@ -513,6 +513,34 @@ class EtcdClient:
         )
         return int(reply.get("deleted", 0))
 
+    def attach_prefix_to_lease(self, prefix: str, lease: int) -> int:
+        """Puts every key under ``prefix`` on ``lease``, values untouched; returns how many.
+
+        Each batch of up to :data:`MAX_TXN_OPS` keys is one transaction of ``ignore_value``
+        puts guarded by "the key still exists" (a put of a deleted key would fail the whole
+        transaction). A batch that meets a key deleted meanwhile is read again, so a key that
+        goes is skipped and one that stays is never rewritten with an old value. A key written
+        after the prefix was read stays off the lease.
+        """
+        attached = 0
+        keys = [kv.key for kv in self.get_prefix(prefix)]
+        for start in range(0, len(keys), MAX_TXN_OPS):
+            batch = keys[start:start + MAX_TXN_OPS]
+            for _ in range(3):
+                reply = self.call("/v3/kv/txn", {
+                    "compare": [{"key": b64(k), "result": "GREATER", "target": "VERSION",
+                                 "version": "0"} for k in batch],
+                    "success": [{"request_put": {"key": b64(k), "ignore_value": True,
+                                                 "lease": str(lease)}} for k in batch],
+                })
+                if reply.get("succeeded", False):
+                    attached += len(batch)
+                    break
+                batch = [kv.key for kv in self.get_many(batch) if kv is not None]
+                if not batch:
+                    break
+        return attached
+
     def grant_lease(self, ttl: int) -> int:
         """Grants a lease of ``ttl`` seconds; returns its id."""
         return int(self.call("/v3/lease/grant", {"TTL": str(ttl)})["ID"])

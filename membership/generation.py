@@ -17,10 +17,11 @@ deletes whatever an earlier run left (its keys are gone but for those on live le
 fresh run never meets a stale world, leader or store key.
 
 Ending a run is done once, by the first agent that knows (the end record is created only if
-absent). Then nothing of the run stays without a lease: the world and the store keys are
-deleted, node records and the leader key go with their agents' leases, the end record stays
+absent). Then nothing of the run stays without a lease: the world is deleted, node records
+and the leader key go with their agents' leases, the end record and the store keys stay
 ``linger`` seconds (:data:`END_KEEP_S` when ``linger`` is off: the members of the run follow
-it by watch and keep it once seen, so this is only for ``elastic-run status``), and the
+the end record by watch and keep it once seen, so it stays for ``elastic-run status``; the
+store stays for torchrun agents still in their exit barrier), and the
 generation record, now saying how the run ended, is put on a lease of
 :data:`GENERATION_KEEP_S` (a day): the id's run numbers go on if it is reused within a day,
 and afterwards the id leaves no key in etcd at all.
@@ -164,7 +165,11 @@ def end_run(client: EtcdClient, keys: JobKeys, end: EndRecord, *,
             client.revoke_lease(keep)
     # The run's state goes; node records and the leader key expire with their leases.
     client.delete(keys.world)
-    client.delete_prefix(keys.store)
+    # The store goes with the end record's lease, not at once: torchrun's agents leave
+    # through an exit barrier on it, and the agent that ends the run is the first one
+    # through; a slower one still waiting for the barrier's last key would otherwise find
+    # it deleted and wait out torch's 300 s barrier timeout.
+    client.attach_prefix_to_lease(keys.store, lease)
     logger.info("run %d of job %s ended (%s): %s", keys.generation, keys.job, end.outcome,
                 end.reason)
     return True

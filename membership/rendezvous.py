@@ -10,6 +10,8 @@ and its ``--rdzv-conf`` keys are described in :mod:`membership` and
 
 from __future__ import annotations
 
+import logging
+import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -32,12 +34,33 @@ def create_rdzv_handler(params: RendezvousParameters) -> RendezvousHandler:
     from membership.config import RdzvConf, client_for
     from membership.torch_handler import EtcdV3RendezvousHandler
 
+    _log_with_torchrun()
     conf = RdzvConf.parse(params.config)
     client = client_for(params.endpoint, conf)
     try:
         return EtcdV3RendezvousHandler(params, client, conf)
     except EtcdUnavailableError as exc:
         raise RendezvousConnectionError(str(exc)) from exc
+
+
+def _log_with_torchrun() -> None:
+    """Prints the rendezvous' own log lines next to torchrun's agent's, at its ``LOGLEVEL``.
+
+    torchrun prints through ``torch.distributed``'s handler and leaves the root logger bare, so
+    this package's INFO lines (who leads, which world was written, why a node was dropped)
+    would be dropped. An application that configured logging itself is left alone.
+    """
+    ours = logging.getLogger("membership")
+    torch_handlers = logging.getLogger("torch.distributed").handlers
+    if ours.handlers or logging.getLogger().handlers or not torch_handlers:
+        return
+    try:
+        ours.setLevel(os.environ.get("LOGLEVEL", "WARNING").upper())
+    except ValueError:
+        return  # torchrun itself reports a LOGLEVEL it cannot use
+    for handler in torch_handlers:
+        ours.addHandler(handler)
+    ours.propagate = False
 
 
 def torchrun_handler() -> Callable[[RendezvousParameters], RendezvousHandler]:

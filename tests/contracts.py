@@ -162,6 +162,23 @@ class EtcdClientContract:
         with pytest.raises(LeaseGoneError, match="no longer holds lease"):
             etcd.put(f"{prefix}/late", b"z", lease=lease)
 
+    def test_a_prefix_put_on_a_lease_keeps_its_values_and_goes_with_the_lease(
+        self, etcd: Any, prefix: str
+    ) -> None:
+        etcd.put(f"{prefix}/s/a", b"1")
+        etcd.put(f"{prefix}/s/b", b"2")
+        etcd.put(f"{prefix}/t", b"outside")
+        lease = etcd.grant_lease(30)
+        assert etcd.attach_prefix_to_lease(f"{prefix}/s/", lease) == 2
+        kvs = etcd.get_prefix(f"{prefix}/s/")
+        assert [(kv.key[-1], kv.value, kv.lease) for kv in kvs] == [
+            ("a", b"1", lease), ("b", b"2", lease)]
+        assert etcd.attach_prefix_to_lease(f"{prefix}/none/", lease) == 0
+        etcd.revoke_lease(lease)
+        assert etcd.get_prefix(f"{prefix}/s/") == []
+        outside = etcd.get(f"{prefix}/t")
+        assert outside is not None and outside.lease == 0
+
     def test_a_prefix_watch_mirrors_puts_and_deletes_in_revision_order(
         self, etcd: Any, prefix: str
     ) -> None:

@@ -297,6 +297,19 @@ class FakeEtcd:
             self._enter("delete")
             return self._remove([k for k in self._kv if k.startswith(prefix)])
 
+    def attach_prefix_to_lease(self, prefix: str, lease: int) -> int:
+        with self._lock:
+            self._enter("attach_prefix_to_lease")
+            present = [kv for k, kv in self._kv.items() if k.startswith(prefix)]
+            if not present:
+                return 0
+            revision = self._bump()
+            batch: list[WatchEvent] = []
+            for kv in present:
+                self._write(kv.key, kv.value, lease, revision=revision, batch=batch)
+            self._notify(batch)
+            return len(present)
+
     def grant_lease(self, ttl: int) -> int:
         with self._lock:
             self._enter("grant")

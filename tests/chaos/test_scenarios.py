@@ -31,10 +31,15 @@ SCENARIOS = {
 }
 
 
-@pytest.mark.timeout(90)
+#: A hang guard, never a timing claim: these scenarios take 25 to 45 s on 2 busy cores, and
+#: a restart-mode recovery under that load once took a run past the 55 s default.
+RUN_TIMEOUT_S = 90.0
+
+
+@pytest.mark.timeout(150)
 @pytest.mark.parametrize("name", sorted(SCENARIOS))
 def test_scenario_ends_correct(chaos: ChaosEnv, name: str) -> None:
-    result = ChaosRun(chaos, SCENARIOS[name], name=name).execute()
+    result = ChaosRun(chaos, SCENARIOS[name], name=name, timeout=RUN_TIMEOUT_S).execute()
     result.check()
     print(f"\n{name}: worlds {result.worlds}, {result.checks}, "
           f"{[(i.fault.describe(), i.note) for i in result.injected]}")

@@ -94,6 +94,10 @@ def test_five_worker_kills_over_three_nodes_end_nothing_with_default_flags(
             # processes and their place in every world to the last.
             last = audit.pids_by_gen()[max(audit.pids_by_gen())]
             assert started - killed <= last, (sorted(started), sorted(killed), sorted(last))
+            # The first workers read storage once, at the job's fresh start.
+            for g in audit.gens:
+                assert int(g["pid"]) not in started or int(g["storage_loads"]) == 1, g
+            by_gen = audit.pids_by_gen()
             restores = _storage_restores(audit.gens)
             print(f"[kills] worlds restored from storage after the fresh start: {restores}")
             for gen, pids in restores:
@@ -101,9 +105,9 @@ def test_five_worker_kills_over_three_nodes_end_nothing_with_default_flags(
                 # (a kill every 30 steps can outrun a replacement's cold start on a loaded
                 # host): none of the world's workers trained before, and every worker of
                 # the world before it was killed.
-                before = {p for g, ps in audit.pids_by_gen().items() if g < gen for p in ps}
-                assert not pids & before, (gen, sorted(pids), audit.pids_by_gen())
-                previous = audit.pids_by_gen()[max(g for g in audit.pids_by_gen() if g < gen)]
+                before = {p for g, ps in by_gen.items() if g < gen for p in ps}
+                assert not pids & before, (gen, sorted(pids), by_gen)
+                previous = by_gen[max(g for g in by_gen if g < gen)]
                 assert previous <= killed, (gen, sorted(previous), sorted(killed))
             # Otherwise each replacement was healed by a survivor.
             restored = {p for _, pids in restores for p in pids}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import sys
 import uuid
 from pathlib import Path
@@ -36,3 +37,6 @@ def test_torchrun_runs_a_two_node_job_on_the_etcd_v3_backend(
         finals = [s for s in c.steps() if s.step == 10]
         assert sorted((s.rank, s.world) for s in finals) == [(0, 2), (1, 2)]
         assert "etcd-v3" in agents[0].output()
+        # The rendezvous' own INFO lines go out through torchrun's logging, at its LOGLEVEL.
+        assert all(re.search(r"rendezvous epoch \d+: node [01] of 2", a.output())
+                   for a in agents), c.logs()

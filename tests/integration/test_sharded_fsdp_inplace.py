@@ -47,7 +47,7 @@ from tests.integration.training.sharded_job import (
 
 pytestmark = [pytest.mark.etcd, pytest.mark.slow]
 
-STEPS = 16
+STEPS = 28  # headroom: a gate releases every step while a change is pending (a late joiner)
 K = 3  # peer copies refreshed every K steps
 STEP_TIME = 0.05
 FAULT_AFTER = INTERVAL + 1  # the first checkpoint is committed: reads fail from then on

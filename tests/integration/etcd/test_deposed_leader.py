@@ -55,6 +55,7 @@ class Worlds:
     def __init__(self, server: Any, keys: JobKeys) -> None:
         self.keys = keys
         self.written: list[WorldRecord] = []
+        self._client = client_for(server)
         self.view = JobView(client_for(server), keys)
         self._watch = client_for(server).watch_prefix(keys.world, on_change=self._record)
 
@@ -66,8 +67,13 @@ class Worlds:
                                                       revision=event.revision))
 
     def wait(self, what: str, predicate: Any, timeout: float = TTL + 15.0) -> None:
-        assert self.view.wait(predicate, timeout), \
-            f"{what}: leader {self.view.leader()}, world {self.view.world()}"
+        if self.view.wait(predicate, timeout):
+            return
+        watch = self.view.watch
+        raise AssertionError(
+            f"{what}: leader {self.view.leader()}, world {self.view.world()}; the view is at "
+            f"revision {watch.revision} ({watch.reconnects} reconnects, failed: "
+            f"{watch.failed.is_set()}), etcd at {self._client.get_many_at([self.keys.leader])}")
 
     def close(self) -> None:
         self._watch.cancel()

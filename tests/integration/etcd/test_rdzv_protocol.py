@@ -168,7 +168,10 @@ def test_a_finished_job_id_is_reused_at_once_and_with_linger_after_it(
     assert end_run(client, first.keys, EndRecord("finished", "done", 30), linger=2)
     assert not end_run(client, first.keys, EndRecord("failed", "late", 1), linger=2)
     assert client.get(first.keys.world) is None  # the run's state is gone
-    assert client.get_prefix(first.keys.store) == []
+    end = client.get(first.keys.end)  # but for the store, which goes with the end record
+    assert end is not None and end.lease != 0
+    assert [(kv.value, kv.lease) for kv in client.get_prefix(first.keys.store)] == [
+        (b"y", end.lease)]
     generation = client.get(base.generation_key)
     assert generation is not None and generation.lease != 0  # an ended run's record goes too
 
@@ -177,6 +180,7 @@ def test_a_finished_job_id_is_reused_at_once_and_with_linger_after_it(
     fresh = open_run(client, base)  # without linger (the default): a fresh run at once
     assert fresh.ended is None and fresh.keys.generation == 2
     assert client.get(first.keys.end) is None  # the old run's keys went with the start
+    assert client.get_prefix(first.keys.store) == []
     generation = client.get(base.generation_key)
     assert generation is not None and generation.lease == 0
 

@@ -20,6 +20,8 @@ from typing import Any
 
 import pytest
 
+from tests.support import proctree
+
 REPO = Path(__file__).resolve().parents[3]
 WORKER = Path(__file__).with_name("allreduce_worker.py")
 
@@ -114,8 +116,11 @@ class Agent:
     """One ``elastic-run`` (or torchrun) agent process."""
 
     def __init__(self, argv: list[str], log: Path, env: dict[str, str],
-                 cwd: Path = REPO) -> None:
+                 cwd: Path = REPO, job_logs: Callable[[], str] | None = None) -> None:
         self.log = log
+        # Every agent's log of the job: a hang is often another agent's doing (a peer that
+        # restarted while this one waits in torch's exit barrier), so a timeout shows them all.
+        self._job_logs = job_logs
         self._log_file = open(log, "wb")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(argv, stdout=self._log_file, stderr=subprocess.STDOUT,
                                      env=env, cwd=cwd, start_new_session=True)
@@ -135,16 +140,25 @@ class Agent:
         try:
             return self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
+            running = tree(self.pid)
             self.kill_tree()
+            logs = self._job_logs() if self._job_logs else self.output()[-3000:]
             raise AssertionError(
-                f"agent {self.pid} still running after {timeout:.0f} s; log tail:\n"
-                + self.output()[-3000:]
+                f"agent {self.pid} still running after {timeout:.0f} s (processes "
+                f"{running}); the job's logs:\n{logs}"
             ) from None
 
     def kill_tree(self) -> None:
-        kill(tree(self.pid))
+        """SIGKILLs the agent and every process under it, and returns once all are gone.
+
+        A SIGKILLed process takes a moment to exit (its threads are torn down first); the
+        agent, a child of the test, is reaped here, but a worker is not, and a busy host
+        once showed one still running right after the signal."""
+        pids = tree(self.pid)
+        kill(pids)
         with suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout=30)
+        proctree.wait_gone(pids, 30)
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -174,7 +188,8 @@ class Cluster:
     def start(self, launcher_args: list[str], worker_args: list[str],
               launcher: list[str] | None = None, cwd: Path = REPO) -> Agent:
         argv = [*(launcher or [sys.executable, "-m", "launch"]), *launcher_args, *worker_args]
-        agent = Agent(argv, self.tmp / f"agent{len(self.agents)}.log", self.env, cwd)
+        agent = Agent(argv, self.tmp / f"agent{len(self.agents)}.log", self.env, cwd,
+                      job_logs=self.logs)
         self.agents.append(agent)
         return agent
 

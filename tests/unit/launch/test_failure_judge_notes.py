@@ -14,7 +14,7 @@ from typing import Any, cast
 
 from elastic.contract.records import WorldMember, WorldRecord
 from launch.failure_judge import FailureJudge
-from launch.slot_state import Slot
+from launch.slot_state import PendingFailure, Slot
 from membership.proposal import common_failure
 
 
@@ -26,10 +26,14 @@ def _world(epoch: int, *workers: str, lost: tuple[str, ...] = (),
 
 
 def _judge(node: str, newest: WorldRecord) -> FailureJudge:
-    run = SimpleNamespace(world=lambda: newest)
-    config = SimpleNamespace(budget=None)
+    run = SimpleNamespace(world=lambda: newest,
+                          node=SimpleNamespace(lease=SimpleNamespace(fresh=lambda margin: True)))
+    config = SimpleNamespace(budget=SimpleNamespace(backoff_base=1.0), ttl=3)
     noop = lambda *_a, **_k: None  # noqa: E731
-    return FailureJudge(cast(Any, config), cast(Any, None), cast(Any, None), cast(Any, None),
+    supervisor = SimpleNamespace(restart_in_place=noop, restart_all=noop)
+    events = SimpleNamespace(record=noop)
+    return FailureJudge(cast(Any, config), cast(Any, supervisor), cast(Any, None),
+                        cast(Any, events),
                         node=lambda: node, run=lambda: cast(Any, run),
                         still_connected=lambda _p: False, broadcast=noop, wake=noop)
 
@@ -73,3 +77,41 @@ def test_a_restart_no_peer_loss_explains_keeps_the_error_the_workers_own() -> No
 def test_an_error_no_peer_causes_is_the_workers_own_even_after_a_loss() -> None:
     after_loss = _world(12, lost=("n2/0.3",), cause="node_lost")
     assert _died_as_restarted(_judge("n0", after_loss), peer_type=False)["own"] is True
+
+
+def _settled_as_a_peers(judge: FailureJudge, failed_in: WorldRecord) -> dict[str, Any]:
+    """A worker that raised the script's RuntimeError at step 5, settled after the newest
+    world named workers of its world's other nodes lost."""
+    process = SimpleNamespace(stopping=False, last_error_line="")
+    slot = Slot(local_rank=0, incarnation=1, inplace=True, connected=True,
+                report={"before_stop": True, "peer": False, "peer_type": True, "step": 5,
+                        "error": "RuntimeError: the labels of step 5 are out of range"})
+    slot.pending = PendingFailure(cast(Any, process), 1, failed_in, decide_by=0.0)
+    assert judge.settle(slot, now=1.0, last_world=failed_in)
+    assert slot.pending is None and slot.report is not None and slot.report["peer"] is True
+    assert judge.restarts == 0  # a peer's failure: never charged
+    assert judge.failure_note is not None
+    return judge.failure_note
+
+
+def test_every_rank_raising_at_once_ends_the_run_though_each_node_sees_the_others_lost_first(
+) -> None:
+    failed_in = _world(3, "n0/0.1", "n1/0.1", "n2/0.1")
+    notes = []
+    for node in ("n0", "n1", "n2"):
+        others = tuple(f"{n}/0.1" for n in ("n0", "n1", "n2") if n != node)
+        newest = _world(4, f"{node}/0.1", lost=others, cause="worker_failed")
+        notes.append(_settled_as_a_peers(_judge(node, newest), failed_in))
+    assert [n["own"] for n in notes] == [True, True, True]
+    records = [SimpleNamespace(departing=None, workers=(1,), failure=n) for n in notes]
+    ended = common_failure(cast(Any, records))
+    assert ended is not None and ended.step == 5
+
+
+def test_a_peer_failure_settled_after_a_node_was_lost_is_not_the_workers_own() -> None:
+    failed_in = _world(3, "n0/0.1", "n1/0.1", "n2/0.1")
+    newest = _world(4, "n0/0.1", "n1/0.1", lost=("n2/0.1",), cause="node_lost")
+    notes = [_settled_as_a_peers(_judge(node, newest), failed_in) for node in ("n0", "n1")]
+    assert [n["own"] for n in notes] == [False, False]
+    records = [SimpleNamespace(departing=None, workers=(1,), failure=n) for n in notes]
+    assert common_failure(cast(Any, records)) is None

@@ -42,7 +42,12 @@ def test_an_ended_run_is_followed_by_a_fresh_one_at_once_and_its_keys_are_gone(
     assert end_run(client, first, EndRecord("finished", "done", 9))
     assert not end_run(client, first, EndRecord("failed", "late", 1))  # ended once
     assert generation(etcd) == GenerationRecord(1, "finished")
-    assert etcd.get(first.world) is None and etcd.get_prefix(first.store) == []
+    assert etcd.get(first.world) is None
+    # The store stays with the end record (torchrun agents still in their exit barrier
+    # read it), on the end record's lease.
+    end = etcd.get(first.end)
+    assert end is not None
+    assert [(kv.value, kv.lease) for kv in etcd.get_prefix(first.store)] == [(b"v", end.lease)]
 
     again = open_run(client, BASE)  # the same id, right after: a fresh run
     assert again.ended is None and again.keys.generation == 2
@@ -67,10 +72,11 @@ def test_without_linger_the_end_record_stays_briefly_and_the_generation_for_a_da
     client = fake_client(etcd)
     first = open_run(client, BASE).keys
     assert etcd.get(BASE.generation_key).lease == 0  # type: ignore[union-attr]  # running
+    etcd.put(first.store + "k", b"v")
     end_run(client, first, EndRecord("finished", "done"))
-    assert etcd.get(first.end) is not None
+    assert etcd.get(first.end) is not None and etcd.get(first.store + "k") is not None
     etcd.advance(END_KEEP_S)
-    assert etcd.get(first.end) is None
+    assert etcd.get(first.end) is None and etcd.get(first.store + "k") is None
     assert generation(etcd).state == "finished"
     etcd.advance(GENERATION_KEEP_S - END_KEEP_S)
     assert etcd.get_prefix(BASE.job_root) == []  # the id left nothing behind
