@@ -127,6 +127,29 @@ def _describe(causes: list[BaseException]) -> str:
     return "; ".join(seen)
 
 
+@dataclass(frozen=True, slots=True)
+class _SaveWorld:
+    """The world a save was started in: every collective and record of that save uses it.
+
+    A save runs on the I/O thread while training goes on, and an in-place reconfiguration
+    rebinds the manager to the next world meanwhile. A save that read the manager's group at
+    each collective instead would run its later collectives on the new world's group, paired
+    with the new world's next save on the other ranks: its commit record would then list
+    another save's files (same names and sizes, other CRC32s).
+    """
+
+    group: dist.ProcessGroup | None
+    distributed: bool
+    rank: int
+    size: int
+    round: int
+
+    def global_rank(self, group_rank: int) -> int:
+        if self.group is None:
+            return group_rank
+        return dist.get_global_rank(self.group, group_rank)
+
+
 def _info(rec: CommitRecord, path: str) -> CheckpointInfo:
     return CheckpointInfo(
         step=rec.step,
@@ -279,10 +302,15 @@ class CheckpointManager:
         assert storage is not None
         return storage
 
-    def _record(self, event: str, **fields: Any) -> None:
+    def _record(self, event: str, saved_in: _SaveWorld | None = None, **fields: Any) -> None:
         events = self.events
         if events is not None:
-            events.record(event, round=self.round, durable=self._rank == 0, **fields)
+            round_, rank = ((saved_in.round, saved_in.rank) if saved_in
+                            else (self.round, self._rank))
+            events.record(event, round=round_, durable=rank == 0, **fields)
+
+    def _save_world(self) -> _SaveWorld:
+        return _SaveWorld(self._pg, self._distributed, self._rank, self._world, self.round)
 
     # ----------------------------------------------------------------------------- save path
     def rebind(self, process_group: dist.ProcessGroup, round: int) -> None:
@@ -291,7 +319,8 @@ class CheckpointManager:
         Later saves and loads run their collectives on ``process_group``, and ``round`` names
         the directory every rank writes its shards into, so all ranks of one world must pass
         the same value (a survivor's manager was built in an older world than a newcomer's).
-        Call it with no save in flight on the old group.
+        A save in flight stays on the group it started on (the old world's, aborted or about
+        to be) and is not committed: the new world's next save is.
 
         Args:
             process_group: The new world's checkpoint group (gloo).
@@ -302,6 +331,12 @@ class CheckpointManager:
         self._pg = process_group
         self._rank = dist.get_rank(process_group)
         self._world = dist.get_world_size(process_group)
+        if self.memory is not None:
+            # The peer store was the old world's next node, which may be the one that was
+            # lost: copies would wait out its connect timeout on every save. In place, a
+            # restart from memory is the exception (a whole job restarted), so copies go
+            # to this node's own store until the next load binds the world's stores again.
+            self.memory.bind([self.memory.own])
 
     def reserve(self, state: Mapping[str, Any]) -> int:
         """Allocates the host buffers that saving ``state`` needs, on a background thread,
@@ -348,7 +383,8 @@ class CheckpointManager:
         """
         if self._closed:
             raise CheckpointError(f"CheckpointManager ({self.storage.url}) is closed.")
-        dir_name = format_dir_name(step, self.round)
+        world = self._save_world()
+        dir_name = format_dir_name(step, world.round)
         started = time.monotonic()
         previous = self._inflight
         if previous is not None and not previous.committed.done():
@@ -392,7 +428,7 @@ class CheckpointManager:
                     if after_copy is not None:
                         after_copy()
                     staged.set_result(None)
-                info = self._persist_and_commit(step, dir_name, host_state, user_meta)
+                info = self._persist_and_commit(step, dir_name, host_state, user_meta, world)
             except BaseException as exc:
                 if not staged.done():
                     staged.set_exception(exc)
@@ -413,14 +449,14 @@ class CheckpointManager:
                     err.__cause__ = exc
                 committed.set_exception(err)
                 self._copies = {}  # never sent: only committed checkpoints go to memory
-                self._record("checkpoint_failed", step=step,
+                self._record("checkpoint_failed", saved_in=world, step=step,
                              error=str(err).splitlines()[0][:300])
                 return
             committed.set_result(info)
-            self._record("checkpoint_committed", step=step,
-                         durable_s=round(time.monotonic() - t0, 4), world=self._world)
+            self._record("checkpoint_committed", saved_in=world, step=step,
+                         durable_s=round(time.monotonic() - t0, 4), world=world.size)
             self._mirror(dir_name)
-            if self._rank == 0:
+            if world.rank == 0:
                 self._apply_retention(in_flight=None)
 
         if self.async_mode is AsyncMode.ASYNC:
@@ -430,7 +466,8 @@ class CheckpointManager:
         return handle
 
     def _persist_and_commit(
-        self, step: int, dir_name: str, host_state: dict[str, Any], user_meta: dict[str, Any]
+        self, step: int, dir_name: str, host_state: dict[str, Any], user_meta: dict[str, Any],
+        world: _SaveWorld,
     ) -> CheckpointInfo:
         t0 = time.monotonic()
         dir_path = self.storage.path(dir_name)
@@ -438,25 +475,32 @@ class CheckpointManager:
             self.storage, dir_path, sync=True, thread_count=self.io_threads,
             buffers=self._upload_buffers, keep_copies=self.memory is not None,
         )
-        dcp_save(host_state, storage_writer=writer, process_group=self._pg)
+        dcp_save(host_state, storage_writer=writer, process_group=world.group)
         self._copies = writer.copies()
         persist_s = time.monotonic() - t0
         # Each rank checksummed the files it wrote while writing them; the coordinator
         # gathers the entries and checks them against what the storage lists.
         entries = writer.written()
         gathered: list[dict[str, FileEntry] | None] = [entries]
-        if self._distributed:
-            gathered = [None] * self._world if self._rank == 0 else []
+        if world.distributed:
+            gathered = [None] * world.size if world.rank == 0 else []
             dist.gather_object(
-                entries, gathered if self._rank == 0 else None, dst=self._global(0), group=self._pg
+                entries, gathered if world.rank == 0 else None, dst=world.global_rank(0),
+                group=world.group,
             )
         outcome: list[Any] = [None]
-        if self._rank == 0:
+        if world.rank == 0:
             try:
                 files: dict[str, FileEntry] = {}
                 for part in gathered:
                     files.update(part or {})
                 self._check_listing(dir_name, files)
+                if self.round != world.round:
+                    raise CheckpointCommitError(
+                        f"the world that saved step ({step}) (round {world.round}) was "
+                        f"replaced by round {self.round} before the commit; the new world's "
+                        "next save commits instead."
+                    )
                 fence = self.commit_fence
                 if fence is not None and not fence():
                     raise CheckpointCommitError(
@@ -465,7 +509,7 @@ class CheckpointManager:
                         "checkpoints go on without it."
                     )
                 rec = CommitRecord(
-                    step=step, round=self.round, world_size=self._world, run_id=self.run_id,
+                    step=step, round=world.round, world_size=world.size, run_id=self.run_id,
                     created_at=time.time(), files=files, metadata=user_meta,
                 )
                 self.storage.write_bytes(f"{dir_path}/{COMMIT_FILE}", rec.to_json())
@@ -479,8 +523,8 @@ class CheckpointManager:
                 )
             except Exception as exc:
                 outcome = [f"{type(exc).__name__}: {exc}"]
-        if self._distributed:
-            dist.broadcast_object_list(outcome, src=self._global(0), group=self._pg)
+        if world.distributed:
+            dist.broadcast_object_list(outcome, src=world.global_rank(0), group=world.group)
         result = outcome[0]
         if not isinstance(result, CheckpointInfo):
             raise CheckpointCommitError(

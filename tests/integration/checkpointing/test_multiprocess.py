@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+import threading
 from datetime import timedelta
 from pathlib import Path
 
@@ -152,3 +153,55 @@ def test_an_unusable_root_fails_every_rank_with_rank_0s_error(tmp_path: Path) ->
     errors = {(tmp_path / f"rank{r}.txt").read_text() for r in range(world)}
     assert errors == {f"CheckpointError: Checkpoint URL ({root}) is a file, not a directory; "
                       "pass a directory or prefix instead."}
+
+
+def _rebind_worker(rank: int, world: int, port: int, root: str, out: str) -> None:
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timedelta(seconds=60))
+    dist.init_process_group(
+        "gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=60)
+    )
+    try:
+        model, optim = make_model_and_optimizer()
+        state = {"app": ModelOptimizerState(model, optim, extra={"step": 1})}
+        with CheckpointManager(root, run_id="rebind", round=1,
+                               process_group=dist.new_group(backend="gloo")) as mgr:
+            copied = threading.Event()
+            release = threading.Event()
+
+            def hold() -> None:  # the save of step 1 is on the I/O thread, not yet written
+                copied.set()
+                assert release.wait(60)
+
+            first = mgr.save(1, state, after_copy=hold)
+            assert copied.wait(60)
+            # An in-place reconfiguration moves the manager to the next world meanwhile.
+            mgr.rebind(dist.new_group(backend="gloo"), round=2)
+            release.set()
+            refused = first.committed.exception(timeout=60)
+            second = mgr.save(2, state).committed.result(timeout=60)
+            mgr.verify(second)  # its record's sizes and CRC32s are its own files'
+            with open(f"{out}.{rank}", "w") as f:
+                json.dump({"refused": str(refused), "second": [second.step, second.round]}, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_save_in_flight_when_the_world_changes_stays_on_its_world_and_does_not_commit(
+    tmp_path: Path,
+) -> None:
+    world = 2
+    master = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False,
+                           timeout=timedelta(seconds=60))
+    out = str(tmp_path / "out")
+    mp.spawn(_rebind_worker, args=(world, master.port, str(tmp_path / "ckpt"), out),
+             nprocs=world, join=True)
+    del master
+    for rank in range(world):
+        seen = json.loads(Path(f"{out}.{rank}").read_text())
+        assert "replaced by round 2" in seen["refused"], seen
+        assert seen["second"] == [2, 2]
+    with CheckpointManager(str(tmp_path / "ckpt")) as mgr:
+        latest = mgr.latest()
+        assert latest is not None and (latest.step, latest.round) == (2, 2)
+    commits = sorted(p.parent.name for p in (tmp_path / "ckpt").glob("*/COMMIT.json"))
+    assert commits == ["step-0000000002_r0002"], commits

@@ -86,6 +86,23 @@ def test_each_committed_save_is_held_by_the_node_store_and_its_peer(
         assert {d.rpartition("/")[2] for d in store._dirs} == {format_dir_name(30, 0)}
 
 
+def test_after_an_in_place_world_change_copies_go_to_this_nodes_store_only(
+    tmp_path: Path, stores: list[MemoryStore], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The old world's peer may be the node that was lost: each save would wait out its
+    # connect timeout. The next load binds the new world's stores.
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        manager = _manager(tmp_path, stores, monkeypatch)
+        manager.rebind(dist.new_group(backend="gloo"), round=1)
+        _save(manager, 10, 1.5)
+        key = f"{manager.memory.namespace}/{format_dir_name(10, 1)}"  # type: ignore[union-attr]
+        assert stores[0].listing(key) and not stores[1].listing(key)
+        manager.close()
+    finally:
+        dist.destroy_process_group()
+
+
 def test_a_load_reads_memory_when_it_holds_storages_newest_checkpoint(
     tmp_path: Path, stores: list[MemoryStore], monkeypatch: pytest.MonkeyPatch
 ) -> None:
