@@ -53,6 +53,7 @@ from checkpointing.layout import (
     parse_dir_name,
     parse_latest,
 )
+from checkpointing.memory_tier import MemoryReader, MemoryTier
 from checkpointing.remote_buffers import BufferPool
 from checkpointing.retention import plan_retention
 from checkpointing.shard_io import ShardWriter
@@ -227,11 +228,19 @@ class CheckpointManager:
         self._pg = process_group
         self._rank = dist.get_rank(self._pg) if self._distributed else 0
         self._world = dist.get_world_size(self._pg) if self._distributed else 1
+        #: Copies of each committed save in the nodes' host memory, and restores from them
+        #: (under elastic-run; ``None`` elsewhere): :mod:`checkpointing.memory_tier`.
+        self.memory: MemoryTier | None = MemoryTier.from_env(url)
+        #: Where the last :meth:`load` read the checkpoint: ``memory``, ``storage``, or
+        #: ``mixed`` (memory, and storage for files whose memory copies failed their check).
+        self.last_load_source: str | None = None
         self.storage = self._open_storage(url, storage_options, retry_deadline)
         self.io_threads = io_threads or (1 if self.storage.is_local else 4)
         self._stager = HostStager()
         # Remote shard files are assembled here; kept between saves like the staging buffers.
         self._upload_buffers = BufferPool()
+        # The last save's files, kept for the memory tier until they are copied there.
+        self._copies: dict[str, bytearray] = {}
         self._inflight: SaveHandle | None = None
         self._inflight_dir: str | None = None
         # Set when the in-flight save's job has finished, retention included.
@@ -279,8 +288,12 @@ class CheckpointManager:
             mine = None if failure is None else (
                 isinstance(failure, CheckpointNotFoundError), str(failure))
             everyone: list[Any] = [None] * self._world
-            dist.all_gather_object(everyone, mine, group=self._pg)
-            first = next((f for f in everyone if f is not None), None)
+            # Each rank's memory store travels in the same collective (one, not two).
+            own = self.memory.own if self.memory is not None else None
+            dist.all_gather_object(everyone, (mine, own), group=self._pg)
+            if self.memory is not None:
+                self.memory.bind([address for _, address in everyone])
+            first = next((f for f, _ in everyone if f is not None), None)
             if failure is None and first is not None:
                 not_found, message = first
                 failure = (CheckpointNotFoundError if not_found else CheckpointError)(message)
@@ -318,6 +331,12 @@ class CheckpointManager:
         self._pg = process_group
         self._rank = dist.get_rank(process_group)
         self._world = dist.get_world_size(process_group)
+        if self.memory is not None:
+            # The peer store was the old world's next node, which may be the one that was
+            # lost: copies would wait out its connect timeout on every save. In place, a
+            # restart from memory is the exception (a whole job restarted), so copies go
+            # to this node's own store until the next load binds the world's stores again.
+            self.memory.bind([self.memory.own])
 
     def reserve(self, state: Mapping[str, Any]) -> int:
         """Allocates the host buffers that saving ``state`` needs, on a background thread,
@@ -429,12 +448,14 @@ class CheckpointManager:
                     )
                     err.__cause__ = exc
                 committed.set_exception(err)
+                self._copies = {}  # never sent: only committed checkpoints go to memory
                 self._record("checkpoint_failed", saved_in=world, step=step,
                              error=str(err).splitlines()[0][:300])
                 return
             committed.set_result(info)
             self._record("checkpoint_committed", saved_in=world, step=step,
                          durable_s=round(time.monotonic() - t0, 4), world=world.size)
+            self._mirror(dir_name)
             if world.rank == 0:
                 self._apply_retention(in_flight=None)
 
@@ -452,9 +473,10 @@ class CheckpointManager:
         dir_path = self.storage.path(dir_name)
         writer = ShardWriter(
             self.storage, dir_path, sync=True, thread_count=self.io_threads,
-            buffers=self._upload_buffers,
+            buffers=self._upload_buffers, keep_copies=self.memory is not None,
         )
         dcp_save(host_state, storage_writer=writer, process_group=world.group)
+        self._copies = writer.copies()
         persist_s = time.monotonic() - t0
         # Each rank checksummed the files it wrote while writing them; the coordinator
         # gathers the entries and checks them against what the storage lists.
@@ -510,6 +532,12 @@ class CheckpointManager:
                 f"({result}); the previous checkpoint stays valid."
             )
         return result
+
+    def _mirror(self, dir_name: str) -> None:
+        """After a commit: this rank's files to its node's memory store and its peer's."""
+        copies, self._copies = self._copies, {}
+        if self.memory is not None and copies:
+            self.memory.mirror(dir_name, copies)
 
     def _check_listing(self, dir_name: str, files: Mapping[str, FileEntry]) -> None:
         """Fail unless the storage lists exactly the written files, each at its written size."""
@@ -684,11 +712,16 @@ class CheckpointManager:
             CheckpointCorruptError: ``step`` was given and its checkpoint is damaged.
             CheckpointFormatError: A commit record has a format version this code cannot read.
         """
+        return self._load(state, step, memory=self.memory is not None and step is None)
+
+    def _load(self, state: Mapping[str, Any], step: int | None, *,
+              memory: bool) -> CheckpointInfo | None:
         self.wait()
         choice: list[Any] = [None]
         if self._rank == 0:
             try:
-                choice = [self._choose(step)]
+                choice = [self._choose_memory() if memory else None]
+                choice = [choice[0] or self._choose(step)]
             except CheckpointFormatError as exc:
                 # Not damage: a newer (or older) release wrote it, so do not fall back past it.
                 choice = [f"Format:{exc}"]
@@ -697,6 +730,15 @@ class CheckpointManager:
         if self._distributed:
             dist.broadcast_object_list(choice, src=self._global(0), group=self._pg)
         picked = choice[0]
+        if isinstance(picked, tuple):
+            try:
+                return self._load_from_memory(state, *picked)
+            except CheckpointCorruptError as exc:
+                # Every rank gets it (DCP gathers the ranks' errors): all go to storage's
+                # verified path, which falls back to the newest good checkpoint.
+                logger.warning("%s; loading through storage's verified path instead", exc)
+                return self._load(state, step, memory=False)
+        self.last_load_source = "storage"
         if picked is None:
             logger.info("no committed checkpoint in %s: fresh start", self.storage.url)
             return None
@@ -720,6 +762,49 @@ class CheckpointManager:
             reader = FsspecReader(info.path, **self.storage.storage_options)
         dcp_load(dict(state), storage_reader=reader, process_group=self._pg)
         logger.info("checkpoint loaded step=%d from %s", info.step, info.path)
+        return info
+
+    def _choose_memory(self) -> tuple[CheckpointInfo, dict[str, list[str]],
+                                      dict[str, FileEntry]] | None:
+        """Coordinator: storage's newest commit, if the memory stores hold all of it (as
+        ``(info, plan, files)``); else ``None`` (load from storage)."""
+        if self.memory is None:
+            return None
+        info = self.latest()
+        if info is None:
+            return None
+        name = info.path.rstrip("/").rsplit("/", 1)[-1]
+        try:
+            rec = self._read_commit(name)
+        except CheckpointCorruptError:
+            return None
+        if rec is None:
+            return None
+        plan = self.memory.plan(name, rec.files)
+        return (info, plan, dict(rec.files)) if plan is not None else None
+
+    def _load_from_memory(self, state: Mapping[str, Any], info: CheckpointInfo,
+                          plan: dict[str, list[str]], files: dict[str, FileEntry]
+                          ) -> CheckpointInfo:
+        """Every rank: loads storage's newest checkpoint from the memory stores (storage
+        for a file that fails its CRC32 there)."""
+        assert self.memory is not None
+        name = info.path.rstrip("/").rsplit("/", 1)[-1]
+        dir_path = self.storage.path(name)
+        reader = MemoryReader(self.memory, name, plan, files,
+                              lambda rel: self.storage.read_bytes(f"{dir_path}/{rel}"),
+                              info.path)
+        try:
+            dcp_load(dict(state), storage_reader=reader, process_group=self._pg)
+        except CheckpointException as exc:
+            corrupt = [c for c in _root_causes(exc) if isinstance(c, CheckpointCorruptError)]
+            if corrupt:
+                raise corrupt[0] from exc
+            raise
+        fallbacks = reader.memory_files.fallbacks
+        self.last_load_source = "mixed" if fallbacks else "memory"
+        logger.info("checkpoint loaded step=%d from memory (%s)%s", info.step, info.path,
+                    f"; from storage: {', '.join(sorted(set(fallbacks)))}" if fallbacks else "")
         return info
 
     # ----------------------------------------------------------------------------- lifecycle

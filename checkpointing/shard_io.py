@@ -50,6 +50,8 @@ class _ChecksumStream(io.RawIOBase):
         self.size = 0
         self.crc = 0
         self.aborted = False
+        #: A copy of every byte, when the caller keeps one (the memory tier's).
+        self.copy: bytearray | None = None
 
     def writable(self) -> bool:
         return True
@@ -61,6 +63,8 @@ class _ChecksumStream(io.RawIOBase):
         mv = memoryview(b).cast("B")
         n = mv.nbytes
         self.crc = zlib.crc32(mv, self.crc)
+        if self.copy is not None:
+            self.copy += mv
         self._accept(mv, self.size)
         self.size += n
         return n
@@ -168,17 +172,23 @@ class ShardFileSystem(FileSystemBase):
         storage: The checkpoint root's storage (its retry policy and filesystem are used).
         sync: fsync local files before reporting them written.
         buffers: Where remote files are assembled; a private pool when ``None``.
+        keep_copies: Also keep each written file's bytes in memory (``copies``), for the
+            memory tier (:mod:`checkpointing.memory_tier`).
     """
 
     def __init__(
-        self, storage: Storage, *, sync: bool = True, buffers: BufferPool | None = None
+        self, storage: Storage, *, sync: bool = True, buffers: BufferPool | None = None,
+        keep_copies: bool = False,
     ) -> None:
         self.storage = storage
         self.sync = sync
         self.buffers = buffers if buffers is not None else BufferPool()
+        self.keep_copies = keep_copies
         self._lock = threading.Lock()
         #: Path -> size and CRC32 of every file this object wrote (renames followed).
         self.written: dict[str, FileEntry] = {}
+        #: Path -> bytes of every file this object wrote, with ``keep_copies``.
+        self.copies: dict[str, bytearray] = {}
         # Remote files written under a temporary name, put when renamed.
         self._held: dict[str, _MemoryStream] = {}
 
@@ -197,6 +207,7 @@ class ShardFileSystem(FileSystemBase):
 
     def _local_stream(self, p: str) -> Generator[io.IOBase, None, None]:
         stream = self.storage.call(p, lambda: _LocalStream(p, sync=self.sync))
+        stream.copy = bytearray() if self.keep_copies else None
         try:
             yield stream
             stream.close()
@@ -208,11 +219,17 @@ class ShardFileSystem(FileSystemBase):
             with contextlib.suppress(OSError):
                 os.unlink(p)
             raise
+        self._done(p, stream)
+
+    def _done(self, p: str, stream: _ChecksumStream) -> None:
         with self._lock:
             self.written[p] = stream.entry()
+            if stream.copy is not None:
+                self.copies[p] = stream.copy
 
     def _remote_stream(self, p: str) -> Generator[io.IOBase, None, None]:
         stream = _MemoryStream(self.buffers)
+        stream.copy = bytearray() if self.keep_copies else None
         try:
             yield stream
             stream.close()
@@ -227,8 +244,7 @@ class ShardFileSystem(FileSystemBase):
             stream.recycle()
             raise
         stream.recycle()
-        with self._lock:
-            self.written[p] = stream.entry()
+        self._done(p, stream)
 
     def concat_path(self, path: str | os.PathLike[str], suffix: str) -> str:
         """See base class."""
@@ -248,13 +264,14 @@ class ShardFileSystem(FileSystemBase):
                 held.upload(self.storage, dst)
             finally:
                 held.recycle()
-            with self._lock:
-                self.written[dst] = held.entry()
+            self._done(dst, held)
             return
         self.storage.rename(src, dst)
         with self._lock:
             if src in self.written:
                 self.written[dst] = self.written.pop(src)
+            if src in self.copies:
+                self.copies[dst] = self.copies.pop(src)
 
     def mkdir(self, path: str | os.PathLike[str]) -> None:
         """See base class."""
@@ -283,6 +300,7 @@ class ShardWriter(FileSystemWriter):
         sync: fsync local files (durability before the commit record).
         thread_count: Files written in parallel per rank.
         buffers: Where remote files are assembled (kept between saves by the caller).
+        keep_copies: Keep each written file's bytes too (:meth:`copies`).
     """
 
     def __init__(
@@ -293,11 +311,13 @@ class ShardWriter(FileSystemWriter):
         sync: bool = True,
         thread_count: int = 1,
         buffers: BufferPool | None = None,
+        keep_copies: bool = False,
     ) -> None:
         # DCP's own fsync is off: ShardFileSystem fsyncs after the last byte instead.
         super().__init__(path, single_file_per_rank=True, sync_files=False,
                          thread_count=thread_count, overwrite=True)
-        self.shard_fs = ShardFileSystem(storage, sync=sync, buffers=buffers)
+        self.shard_fs = ShardFileSystem(storage, sync=sync, buffers=buffers,
+                                        keep_copies=keep_copies)
         # DCP's writer only calls through ``fs``; ``shard_fs`` keeps the precise type for us.
         self.fs = cast(Any, self.shard_fs)
         self.path = self.fs.init_path(path)
@@ -308,4 +328,12 @@ class ShardWriter(FileSystemWriter):
         return {
             (p[len(prefix):] if p.startswith(prefix) else p): e
             for p, e in self.shard_fs.written.items()
+        }
+
+    def copies(self) -> dict[str, bytearray]:
+        """Name relative to the attempt directory -> bytes, with ``keep_copies``."""
+        prefix = str(self.path).rstrip("/") + "/"
+        return {
+            (p[len(prefix):] if p.startswith(prefix) else p): data
+            for p, data in self.shard_fs.copies.items()
         }

@@ -104,3 +104,24 @@ METRICS_PORT: Final = "ELASTIC_METRICS_PORT"
 
 METRICS_HOST: Final = "ELASTIC_METRICS_HOST"
 """Address the agent's Prometheus endpoint binds (``--metrics-host``; default every interface)."""
+
+WARM_STANDBY: Final = "ELASTIC_WARM_STANDBY"
+"""``on`` (default) or ``off``: whether the agent keeps a warm standby interpreter per worker
+slot, torch imported, to start restarted workers in (``--warm-standby``;
+:mod:`launch.standby`)."""
+
+STANDBY_PRELOAD: Final = "ELASTIC_STANDBY_PRELOAD"
+"""Comma-separated modules a warm standby imports while it waits (default: torch and the torch
+modules nearly every training script imports; empty: none). None may initialise CUDA."""
+
+STANDBY_FD: Final = "ELASTIC_STANDBY_FD"
+"""Set by the agent for a warm standby only: the file descriptor of its link to the agent."""
+
+MEMORY_STORE: Final = "ELASTIC_MEMORY_STORE"
+"""Set by the agent for its workers: ``host:port`` of the node's checkpoint memory store, where
+``CheckpointManager`` keeps copies of each committed save and restores from
+(:mod:`checkpointing.memory_tier`; ``--memory-checkpoints``)."""
+
+MEMORY_CHECKPOINTS: Final = "ELASTIC_MEMORY_CHECKPOINTS"
+"""``on`` (default) or ``off``: whether the agent keeps its workers' committed checkpoints in
+host memory for restores (``--memory-checkpoints``)."""

@@ -61,7 +61,8 @@ peer_failed            step, error (in place: a collective of the step failed be
 checkpoint             step, blocked_s (time the loop waited on the save), final, wait
                        ("commit": waiting for an earlier save's commit, not starting one)
 restored               step (where training resumes), found (a checkpoint was loaded),
-                       duration_s (time spent loading it)
+                       duration_s (time spent loading it), read_from (``memory``,
+                       ``storage`` or ``mixed``: :mod:`checkpointing.memory_tier`)
 checkpoint_staged      step, bytes, stage_s (the save call's staging), copy_s (its
                        device-to-host copy), held_s (the training stream's wait for that copy),
                        stall_s (the save call plus held_s: how long the save held training
@@ -73,7 +74,8 @@ rewound                step (where training resumes), ahead (the step the host h
 checkpoint_committed   step, durable_s (save call to commit), world (the checkpoint group's ranks);
                        recorded by every rank of the group, durable on its rank 0
 checkpoint_failed      step, error (the save did not commit; the previous checkpoint stays)
-workers_started        workers (processes started), restart (false for the node's first start)
+workers_started        workers (processes started), restart (false for the node's first start),
+                       warm (it started in a warm standby: :mod:`launch.standby`)
 =====================  ==========================================================================
 
 The loop's events (``step``, ``checkpoint``, ``checkpoint_staged``, ``checkpoint_deferred``,

@@ -37,6 +37,11 @@ class AgentConfig:
         build_timeout: Seconds a world's process groups wait for every member
             (``--inplace-build-timeout``); after a failed build the leader waits at most this
             long for the other members' builds to fail too before writing the world again.
+        warm_standby: Keep a warm standby interpreter per slot to start workers in
+            (``--warm-standby``, :mod:`launch.standby`).
+        standby_in_place: Keep the standbys once this node's workers declared that they
+            reconfigure in place too (``--warm-standby on``); otherwise (``auto``) they are
+            dropped then.
     """
 
     job_id: str
@@ -57,6 +62,8 @@ class AgentConfig:
     worker_env: Mapping[str, str] = field(default_factory=dict)
     metrics_port: int | None = None
     build_timeout: float = 10.0
+    warm_standby: bool = False
+    standby_in_place: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -138,6 +138,22 @@ def build_parser() -> argparse.ArgumentParser:
         "last checkpoint).",
     )
     group.add_argument(
+        "--warm-standby", dest="warm_standby", type=str,
+        default=os.environ.get(env.WARM_STANDBY) or "auto",
+        help=f"'auto' (default), 'on' or 'off' (env {env.WARM_STANDBY}): keep one started "
+        "interpreter per worker slot, torch imported, and start restarted workers in it "
+        "instead of a cold process (no CUDA is initialised before a worker starts in it). "
+        "'auto' drops them once the node's workers reconfigure in place (only a crashed "
+        "worker restarts then, and nobody waits for it); 'on' keeps them then too.",
+    )
+    group.add_argument(
+        "--memory-checkpoints", dest="memory_checkpoints", type=str,
+        default=os.environ.get(env.MEMORY_CHECKPOINTS) or "on",
+        help=f"'on' (default) or 'off' (env {env.MEMORY_CHECKPOINTS}): keep each committed "
+        "CheckpointManager save in this node's host memory and one peer node's, and restore "
+        "from there when it is storage's newest.",
+    )
+    group.add_argument(
         "--inplace-ttl", dest="inplace_ttl", type=int,
         default=int(os.environ.get("ELASTIC_INPLACE_TTL", "3")),
         help="TTL in seconds of each node's etcd lease, i.e. how long a silent host goes "
@@ -347,6 +363,12 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         raise ConfigError(
             f"--elastic-mode ({args.elastic_mode!r}) must be 'auto', 'inplace' or 'restart'."
         )
+    if args.warm_standby not in ("auto", "on", "off"):
+        raise ConfigError(
+            f"--warm-standby ({args.warm_standby!r}) must be 'auto', 'on' or 'off'.")
+    if args.memory_checkpoints not in ("on", "off"):
+        raise ConfigError(
+            f"--memory-checkpoints ({args.memory_checkpoints!r}) must be 'on' or 'off'.")
     if args.inplace_ttl < 1:
         raise ConfigError(f"--inplace-ttl ({args.inplace_ttl}) must be at least 1 second.")
     for name in ("exit_barrier_timeout", "failure_settle_timeout"):

@@ -248,6 +248,14 @@ class FailureJudge:
                 return False
             delay = charged
             self.restarts += 1
+        if not in_place:
+            # Restart mode: every node of the job restarts, and the next world waits for this
+            # node's slots (or forms without them, and restarts everyone again when they
+            # come): a backoff here stalls the whole job. A peer's failure or a partition is
+            # no reason to wait (the leader decides the next world), and the first crash in
+            # the window restarts at once, as torchrun does; repeated crashes back off 1 s,
+            # 2 s, ... (the budget's series, one step later).
+            delay = 0.0 if cause != "crash" or self.budget.recent() <= 1 else delay / 2
         if cause != "stopped":
             # A peer's failure is no evidence of a bug in the script when that peer's node is
             # gone (its survivors all die of the loss with one error text). When the lost

@@ -283,6 +283,7 @@ class NodeAgent:
             ttl=config.ttl, linger=config.linger, on_change=self._push_world,
             on_lease_lost=self._lease_lost, on_rejoined=self._on_rejoined,
             rejoin_timeout=config.join_timeout)
+        self._supervisor.tick_standbys()  # the standbys import torch while the node joins
         self._supervisor.prepare_join(self._run.world())
         self._run.join(self._record())
         self.events.record("agent_started", node_id=self._node,
@@ -332,6 +333,7 @@ class NodeAgent:
         if self._judge.exhausted:
             return self._judge.exhausted_outcome(self._other_nodes())
         supervisor.check_heartbeats(self._channel.connections(), self.config.ttl)
+        supervisor.tick_standbys()
         world = follower.follow(run)
         if world is not None:
             supervisor.kill_evicted(world)
@@ -339,7 +341,8 @@ class NodeAgent:
             if world.mode != "inplace":
                 with supervisor.lock:
                     changed |= supervisor.follow_restart_mode(
-                        world, self._departures.leaving, self._judge.restarted_while_dying)
+                        world, self._departures.leaving, self._judge.restarted_while_dying,
+                        self._publish)
             if changed:
                 self._publish()
         last = follower.last_world
@@ -386,6 +389,7 @@ class NodeAgent:
             logger.warning("could not record the end of the run (%s)", exc)
 
     def _shutdown(self) -> None:
+        self._supervisor.close_standbys()
         self._supervisor.kill_all()
         self._follower.stop()
         run = self._run

@@ -125,6 +125,7 @@ def run(args: argparse.Namespace) -> int:
     """Runs the node agent described by validated ``args``; returns the exit code."""
     from torch.distributed.run import config_from_args
 
+    from checkpointing.memory_store import MemoryStore
     from launch.etcd_probe import probe
     from launch.node_agent import NodeAgent
     from launch.slots import WorkerCommand
@@ -155,7 +156,11 @@ def run(args: argparse.Namespace) -> int:
     # Prometheus series are one more sink of its event log.
     telemetry = NodeTelemetry(events, metrics_port=args.metrics_port,
                               metrics_host=args.metrics_host).start()
-    agent_config = _agent_config(args, config, conf, addr, telemetry)
+    # Copies of the workers' committed checkpoints (theirs and a peer node's) in this
+    # process's memory, which a restart loads instead of storage (checkpointing/memory_tier.py).
+    memory = (MemoryStore(addr) if getattr(args, "memory_checkpoints", "on") == "on"
+              else None)
+    agent_config = _agent_config(args, config, conf, addr, telemetry, memory)
     _log_config({
         "script": args.training_script,
         "nodes (min:max)": f"{agent_config.min_nodes}:{agent_config.max_nodes}",
@@ -165,6 +170,8 @@ def run(args: argparse.Namespace) -> int:
         "address": addr,
         "interface": interface_of(addr) or "(not local)",
         "elastic mode": agent_config.mode,
+        "warm standby": getattr(args, "warm_standby", "auto"),
+        "memory checkpoints": memory.address if memory is not None else "off",
         "crash budget": f"{args.max_restarts} per {args.restart_window:g} s",
         "node lease ttl": f"{agent_config.ttl} s",
         "worker command": " ".join([entrypoint, *worker_args]),
@@ -177,6 +184,8 @@ def run(args: argparse.Namespace) -> int:
     finally:
         monitor.stop()
         telemetry.close()
+        if memory is not None:
+            memory.close()
         events.close()  # a log on a URL puts its last records (a bounded wait)
         if args.events_dir:
             from launch.goodput import write_summary
@@ -209,7 +218,7 @@ def _shutdown_timeout(config: Any) -> float:
 
 
 def _agent_config(args: argparse.Namespace, config: Any, conf: Any, addr: str,
-                  telemetry: Any) -> Any:
+                  telemetry: Any, memory: Any = None) -> Any:
     """The node agent's settings, from torchrun's parsed config, ``--rdzv-conf`` and ours."""
     from launch.agent_config import AgentConfig
     from launch.budget import CrashBudget
@@ -223,8 +232,11 @@ def _agent_config(args: argparse.Namespace, config: Any, conf: Any, addr: str,
         mode=args.elastic_mode, shutdown_grace=_shutdown_timeout(config),
         drain_timeout=args.preemption_drain_timeout, linger=conf.linger,
         worker_env={**_worker_env(args), **interface_env(addr, os.environ),
-                    **telemetry.worker_env},
+                    **telemetry.worker_env,
+                    **({env.MEMORY_STORE: memory.address} if memory is not None else {})},
         metrics_port=telemetry.metrics_port, build_timeout=args.inplace_build_timeout,
+        warm_standby=getattr(args, "warm_standby", "auto") != "off",
+        standby_in_place=getattr(args, "warm_standby", "auto") == "on",
     )
 
 

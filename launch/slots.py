@@ -23,7 +23,10 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Final
+from typing import TYPE_CHECKING, Final
+
+if TYPE_CHECKING:
+    from launch.standby import StandbyPool
 
 __all__ = ["SlotProcess", "WorkerCommand"]
 
@@ -57,6 +60,7 @@ class SlotProcess:
         started_at: ``time.monotonic()`` at start.
         stopping: Set when the agent asked it to stop (its exit is not a crash).
         last_error_line: The last non-empty line the worker wrote to its standard error.
+        warm: Whether it started in a warm standby (:mod:`launch.standby`).
     """
 
     local_rank: int
@@ -65,16 +69,22 @@ class SlotProcess:
     started_at: float = field(default_factory=time.monotonic)
     stopping: bool = False
     last_error_line: str = ""
+    warm: bool = False
 
     @classmethod
     def start(cls, command: WorkerCommand, local_rank: int, incarnation: int,
-              env: Mapping[str, str]) -> SlotProcess:
-        """Starts the worker of ``local_rank`` with ``env`` on top of the base environment."""
+              env: Mapping[str, str], standby: StandbyPool | None = None) -> SlotProcess:
+        """Starts the worker of ``local_rank`` with ``env`` on top of the base environment:
+        in the slot's warm standby if ``standby`` has one that can take it, else cold."""
         full_env = {**command.base_env, **env}
-        proc = subprocess.Popen(list(command.argv), env=full_env, start_new_session=True,
-                                stderr=subprocess.PIPE)
-        logger.info("started worker %d.%d (pid %d)", local_rank, incarnation, proc.pid)
-        started = cls(local_rank, incarnation, proc)
+        proc = standby.take(local_rank, full_env, command.argv) if standby is not None else None
+        warm = proc is not None
+        if proc is None:
+            proc = subprocess.Popen(list(command.argv), env=full_env, start_new_session=True,
+                                    stderr=subprocess.PIPE)
+        logger.info("started worker %d.%d (pid %d%s)", local_rank, incarnation, proc.pid,
+                    ", in its warm standby" if warm else "")
+        started = cls(local_rank, incarnation, proc, warm=warm)
         threading.Thread(target=started._copy_stderr, name=f"elastic-stderr-{proc.pid}",
                          daemon=True).start()
         return started

@@ -30,6 +30,7 @@ from launch.agent_config import AgentConfig
 from launch.channel import WorkerConnection
 from launch.slot_state import Slot
 from launch.slots import SlotProcess, WorkerCommand, stop_all
+from launch.standby import StandbyPool
 from launch.worker_env import worker_env
 
 __all__ = ["FROZEN_AFTER_S", "Supervisor"]
@@ -69,6 +70,11 @@ class Supervisor:
         self.max_world: int | None = None
         #: The newest world epoch a worker of this node could not build.
         self.failed_build: int | None = None
+        #: Warm standby interpreters that workers start in (launch/standby.py): a restart
+        #: skips interpreter start-up and torch's imports.
+        self.standby = (StandbyPool(command.argv[0], config.nproc_per_node, self._standby_env)
+                        if config.warm_standby and StandbyPool.supports(command.argv)
+                        else None)
 
     # -- views ------------------------------------------------------------------------------
 
@@ -196,14 +202,45 @@ class Supervisor:
                                  channel_path=self._channel_path(), world=world,
                                  running=running)
         slot.process = SlotProcess.start(self.command, slot.local_rank, slot.incarnation,
-                                         environment)
+                                         environment, standby=self.standby)
         slot.started_for = world
         slot.restart_at = None
         slot.finished = False
         # elastic_run_worker_restarts_total counts the starts after a slot's first.
         epoch = world.epoch if world else (running.epoch if running else -1)
         self.events.record("workers_started", round=epoch, workers=1,
-                           restart=slot.incarnation > 1)
+                           restart=slot.incarnation > 1, warm=slot.process.warm)
+
+    def _standby_env(self, local_rank: int) -> dict[str, str]:
+        """What a worker of ``local_rank`` would start with now, for its standby (the pool
+        drops the world's variables)."""
+        with self.lock:
+            slot = self.slots[local_rank]
+            return {**self.command.base_env,
+                    **worker_env(self.config, slot, node=self._node(),
+                                 channel_path=self._channel_path(), world=None, running=None)}
+
+    def tick_standbys(self) -> None:
+        """Replaces standbys that died and starts those that are due (the main loop); drops
+        them for good once this node's workers declared that they reconfigure in place,
+        unless ``standby_in_place``."""
+        if self.standby is None:
+            return
+        if not self.config.standby_in_place and any(s.inplace for s in self.slots):
+            # In place only a crashed worker restarts, and the survivors train on without
+            # waiting for it: a standby would hold its memory, and spend its imports' CPU
+            # beside the training after every replacement, for nothing the survivors feel.
+            self.standby.close()
+            self.standby = None
+            logger.info("this node's workers reconfigure in place: no warm standbys kept "
+                        "(--warm-standby on keeps them)")
+            return
+        self.standby.tick()
+
+    def close_standbys(self) -> None:
+        """Kills the standbys (the agent is leaving)."""
+        if self.standby is not None:
+            self.standby.close()
 
     def start_due(self, world: WorldRecord | None, newest: WorldRecord | None) -> bool:
         """Starts (in place) or re-publishes (restart mode) slots whose backoff is over;
@@ -250,15 +287,17 @@ class Supervisor:
             slot.restart_at = now + delay
 
     def follow_restart_mode(self, world: WorldRecord, leaving: bool,
-                            dying: Callable[[Slot], None]) -> bool:
+                            dying: Callable[[Slot], None],
+                            publish: Callable[[], None]) -> bool:
         """Restart mode: starts workers for a world that includes them, restarts them when
         the world changes; returns whether the slots changed (to publish).
 
         Args:
             world: The newest world.
             leaving: The node is leaving (its workers drain; none restarts).
-            dying: Called for each slot stopped here whose worker had reported its own
-                error before the stop (that error still counts).
+            dying: Called for each slot stopped here whose worker had
+                reported its own error before the stop (that error still counts).
+            publish: Publishes the node record (the stopping slots as not ready).
         """
         node = self._node()
         mine = world.member(node)
@@ -274,6 +313,12 @@ class Supervisor:
                         "(epoch %d): restarting them", world.epoch,
                         stale[0].started_for.epoch if stale[0].started_for else -1)
             self.events.record("workers_restarted", round=world.epoch, reason="world_changed")
+            # Unready while they stop (a drain can take seconds, and stop_all blocks the main
+            # loop): the leader must not count the old incarnations as ready, or it forms
+            # worlds without this node and grows them back with the stale ones, over and over.
+            for slot in stale:
+                slot.ready = False
+            publish()
             stop_all([s.process for s in stale if s.process is not None],
                      self.config.shutdown_grace)
             for slot in stale:

@@ -85,9 +85,9 @@ def guard(parent: int | None = None) -> None:
         ).start()
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Guard this process, then run the target. Returns only on a usage error."""
-    args = list(sys.argv[1:] if argv is None else argv)
+def parse_target(args: list[str]) -> tuple[str, str, list[str]] | None:
+    """``[-m | --exec] TARGET ARGS...`` as ``(mode, target, args)``; ``None`` without a
+    target. ``mode`` is ``path``, ``module`` or ``exec``."""
     mode = "path"
     if args and args[0] in ("-m", "--exec"):
         mode = "module" if args[0] == "-m" else "exec"
@@ -95,10 +95,27 @@ def main(argv: list[str] | None = None) -> int:
     if args and args[0] == "--":
         args = args[1:]
     if not args:
+        return None
+    return mode, args[0], list(args[1:])
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Guard this process, then run the target. Returns only on a usage error."""
+    parsed = parse_target(list(sys.argv[1:] if argv is None else argv))
+    if parsed is None:
         sys.stderr.write(USAGE + "\n")
         return 2
     guard()
-    target, rest = args[0], args[1:]
+    return run_target(*parsed)
+
+
+def run_target(mode: str, target: str, rest: list[str]) -> int:
+    """Runs ``target`` in this process as ``python TARGET``, ``python -m TARGET`` or ``exec
+    TARGET`` would (a script's uncaught exception is reported to the agent, then ends the
+    process with exit code 1); returns 0 when the target returns.
+
+    Also the last thing a warm standby (:mod:`launch.standby`) does once handed a world.
+    """
     if mode == "exec":
         os.execvp(target, [target, *rest])
     sys.argv = [target, *rest]

@@ -143,6 +143,10 @@ class WorldFollower:
         """The node's end when no world has included it for ``join_timeout`` seconds."""
         world = run.world()
         if world is not None and world.member(self._node()) is not None:
+            # The wait counts from the last moment this node was in a world, not from when
+            # it joined that world: a world that trained longer than join_timeout, then
+            # broke, must not end the node on the spot.
+            self._no_world_since = time.monotonic()
             return None
         waited = time.monotonic() - self._no_world_since
         if waited < self.config.join_timeout:

@@ -31,7 +31,8 @@ The rules, in order:
 * growth (joiners) and the first world wait for the last-call settle, unless nobody else can
   come (``max_nodes`` nodes, each with every slot ready);
 * restart mode goes through the empty "everyone restart" world on any change, then forms the
-  next world from the new incarnations once they settle;
+  next world from the new incarnations as soon as every live node has published them
+  (:func:`_everyone_restarted`), else once they settle;
 * a world whose every worker turned in-place capable is rewritten with ``mode: inplace``;
 * a world a member could not build is written again under the next epoch once every member
   reports the failed build, or ``rebuild_after`` seconds after the first report.
@@ -239,9 +240,29 @@ def _next_world(current: WorldRecord | None, nodes: Sequence[NodeRecord], memory
     # next_world leaves those out, so a complete world of new incarnations (every node,
     # every slot) is written at once, and anything less waits for the last call.
     settled, memory = _settled(proposal, candidates, memory, limits, now)
-    if settled:
+    restarting = current is not None and not current.members and current.mode == "restart"
+    if settled or (restarting and _everyone_restarted(candidates, proposal, limits)):
         return _write(proposal, current, nodes, memory)
     return Wait(_remaining(memory, limits, now)), memory
+
+
+def _everyone_restarted(nodes: Sequence[NodeRecord], proposal: WorldRecord,
+                        limits: RunLimits) -> bool:
+    """After restart mode's empty world: whether every live node has published fresh
+    incarnations of all its slots (ready, not running yet), and ``proposal`` takes them all.
+
+    Then nobody the last call could wait for is missing (the stale incarnations it guards
+    against are running ones, and none is left), so the next world is written at once even
+    below ``max_nodes``: otherwise every restart waits a last call for nodes that are not
+    coming.
+    """
+    live = [n for n in nodes if n.departing is None]
+    if not live or any(not n.workers or any(not w.ready or w.pid for w in n.workers)
+                       for n in live):
+        return False
+    return len(proposal.members) == min(len(live), limits.max_nodes) and all(
+        len(m.workers) == len(n.workers) for m in proposal.members
+        for n in live if n.node == m.node)
 
 
 def _remember(current: WorldRecord | None, nodes: Sequence[NodeRecord],

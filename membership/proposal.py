@@ -231,10 +231,12 @@ def failed_builds(world: WorldRecord, nodes: Sequence[NodeRecord], *,
     that is every live member node (then nobody is still building it). A member whose
     workers of ``world`` all ``finished`` training builds nothing: it does not count.
 
-    Only an in-place world with members counts: a restart-mode world restarts its workers
-    anyway, and an empty world has no groups.
+    Only a world with members counts (an empty world has no groups). A restart-mode world
+    counts too: its workers were started for it and no agent restarts them while its
+    composition stands, so a member slower than the build timeout (a worker still importing
+    on a loaded host) would otherwise leave every member waiting for a newer world for good.
     """
-    if not world.members or world.mode != "inplace":
+    if not world.members:
         return set(), False
     by_node = {n.node: n for n in nodes}
     live = [m.node for m in world.members if m.node in by_node

@@ -352,7 +352,8 @@ class ElasticLoop(MicroBatching, ManagedWay, ShardedWay, InPlaceHooks, StepAgree
         if self._sharded is not None:
             self._sharded_loaded(info is not None)
         self._record("restored", round=self._round, step=self.step, found=info is not None,
-                     duration_s=round(time.monotonic() - started, 4))
+                     duration_s=round(time.monotonic() - started, 4),
+                     read_from=getattr(self.checkpoint, "last_load_source", None))
         if info is None:
             logger.info("fresh start: no committed checkpoint")
             return self.step

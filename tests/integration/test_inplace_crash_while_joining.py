@@ -35,11 +35,11 @@ import pytest
 
 from tests.integration.launcher_scripts.harness import (
     Agent,
-    children,
     cluster,
     etcd_or_skip,
     kill,
     wait_until,
+    workers,
 )
 from tests.integration.training.inplace_audit import Audit, check_exactly_once
 from tests.integration.training.inplace_job import DATASET, GLOBAL_BATCH, SEED, InPlaceJob
@@ -64,7 +64,7 @@ def _worker(job: InPlaceJob, agent: Agent, dead: set[int]) -> int:
     found: list[int] = []
 
     def one() -> bool:
-        found[:] = [p for p in children(agent.pid) if p not in dead]
+        found[:] = [p for p in workers(agent) if p not in dead]
         return len(found) == 1
 
     wait_until(one, WAIT, f"agent {agent.pid} to run a worker",
@@ -113,7 +113,7 @@ def test_a_crash_on_the_leaders_node_while_a_node_joins_never_writes_an_empty_wo
         _advance(job)
 
         # 2. The other non-leading node is lost; its replacement starts 3 s later.
-        dead.update(children(second.pid))
+        dead.update(workers(second))
         second.kill_tree()
         job.wait_for(lambda a: len(_latest(a)[1] - dead) == 2 and not _latest(a)[1] & dead,
                      "the world without the lost node")

@@ -45,11 +45,11 @@ import torch
 from tests.integration.launcher_scripts.harness import (
     Agent,
     Cluster,
-    children,
     cluster,
     etcd_or_skip,
     kill,
     wait_until,
+    workers,
 )
 from tests.integration.training.inplace_audit import check_exactly_once
 from tests.integration.training.inplace_job import (
@@ -98,7 +98,7 @@ class Faults:
         found: list[int] = []
 
         def one() -> bool:
-            pids = [p for p in children(agent.pid) if p not in self.dead]
+            pids = [p for p in workers(agent) if p not in self.dead]
             found[:] = pids
             return len(pids) == 1
 
@@ -133,7 +133,7 @@ class Faults:
         return pid
 
     def kill_node(self, agent: Agent) -> None:
-        self.dead.update(children(agent.pid))
+        self.dead.update(workers(agent))
         agent.kill_tree()
         self.log.append(f"node {agent.pid} lost")
 
@@ -151,7 +151,7 @@ class Faults:
         found: list[int] = []
 
         def placed() -> bool:
-            pids = [p for p in children(agent.pid) if p not in self.dead]
+            pids = [p for p in workers(agent) if p not in self.dead]
             if len(pids) == 1 and self.placed(pids[0]):
                 found.append(pids[0])
                 return True

@@ -28,7 +28,6 @@ from tests.integration.launcher_scripts.harness import cluster, etcd_or_skip
 pytestmark = [pytest.mark.etcd, pytest.mark.slow]
 
 _TIMEOUT = 120.0
-_STEPS = 60
 
 
 class Payload:
@@ -53,9 +52,12 @@ def test_a_pickle_in_every_key_of_a_running_job_runs_nothing(
                                    request_timeout=timedelta(seconds=5)))
     keys = JobKeys("/elastic", job)
     run = keys.for_generation(1)
+    # The job trains until told to stop: it must still run when the late agent reads the
+    # generation key (a job that ended meanwhile has replaced it with a valid record).
+    stop = tmp_path / "stop"
     with cluster(tmp_path, etcd.endpoint, job) as c:
         agents = [c.start_elastic("--nnodes", "2", worker_args=c.worker_args(
-            steps=_STEPS, step_time=0.1)) for _ in range(2)]
+            "--stop-file", str(stop), steps=100_000, step_time=0.1)) for _ in range(2)]
         c.wait_for(lambda steps: any(s.step >= 3 for s in steps), _TIMEOUT, "training")
 
         existing = [kv.key for kv in client.get_prefix(keys.job_root)]
@@ -71,7 +73,7 @@ def test_a_pickle_in_every_key_of_a_running_job_runs_nothing(
                                    "value": _b64(pickled)})
 
         client.put(keys.generation_key, pickled)
-        refused = c.start_elastic("--nnodes", "2", worker_args=c.worker_args(steps=_STEPS))
+        refused = c.start_elastic("--nnodes", "2", worker_args=c.worker_args(steps=10))
         assert refused.wait(_TIMEOUT) != 0
         last = refused.output().rstrip().splitlines()[-1]
         assert last.startswith(f"elastic-run: error: etcd key {keys.generation_key} holds a "
@@ -79,9 +81,13 @@ def test_a_pickle_in_every_key_of_a_running_job_runs_nothing(
         assert last.endswith("only elastic-run may write the job's keys: delete it or use "
                              "another --job-id."), last
 
+        # The job trained on through every pickle, and ends cleanly.
+        trained = max(s.step for s in c.steps())
+        c.wait_for(lambda steps: max(s.step for s in steps) >= trained + 5, _TIMEOUT,
+                   "training past the pickles")
+        stop.touch()
         for agent in agents:
             assert agent.wait(_TIMEOUT) == 0, c.logs()
-        assert max(s.step for s in c.steps()) == _STEPS
         logs = "\n".join(a.output() for a in c.agents)
     client.close()
     assert not marker.exists(), "a pickle from etcd was unpickled"

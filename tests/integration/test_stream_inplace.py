@@ -38,11 +38,11 @@ from tests.integration.launcher_scripts.harness import (
     REPO,
     Agent,
     Cluster,
-    children,
     cluster,
     etcd_or_skip,
     kill,
     wait_until,
+    workers,
 )
 from tests.integration.training.inplace_audit import Audit, check_exactly_once, read_audit
 
@@ -120,9 +120,9 @@ def test_the_stream_trains_exactly_once_through_a_worker_kill_a_node_loss_and_a_
 
         agents = [_launch(c, tmp_path) for _ in range(3)]
         gen = trained_in("a step in a world of 3", 0, lambda pids: len(pids) == 3)
-        (survivor,) = children(agents[0].pid)
-        (killed,) = children(agents[1].pid)
-        lost = set(children(agents[2].pid))
+        (survivor,) = workers(agents[0])
+        (killed,) = workers(agents[1])
+        lost = set(workers(agents[2]))
         kill([killed], signal.SIGKILL)  # a worker kill: its agent starts a replacement
         gen = trained_in("a step without the killed worker", gen,
                          lambda pids: killed not in pids and pids >= {survivor} | lost)

@@ -150,7 +150,8 @@ def _scenario(tmp: Path, endpoint: str) -> Iterator[Outcome]:
         (tmp / "steady").mkdir(exist_ok=True)
         (tmp / "elastic").mkdir(exist_ok=True)
         steady = Job(steady_cluster, tmp / "steady", ("--nnodes", "2", "--max-restarts", "0"))
-        elastic = Job(elastic_cluster, tmp / "elastic", ("--nnodes", "1:2", "--max-restarts", "3"))
+        elastic = Job(elastic_cluster, tmp / "elastic", (
+            "--nnodes", "1:2", "--max-restarts", "3", "--events-dir", str(tmp / "events")))
         # The undisturbed job runs alongside, ungated and unslowed, to share the start-up time.
         for _ in range(2):
             steady.start_node(step_time=0.0)
@@ -274,3 +275,18 @@ def test_each_failure_under_elastic_run_redoes_at_most_interval_plus_commit_lag_
     )
     logger.warning(summary)
     print(f"\n{summary}", file=sys.stderr)
+
+
+@pytest.mark.timeout(30)
+def test_restarts_under_elastic_run_restore_from_the_nodes_memory(outcome: Outcome) -> None:
+    # Every committed save is also held by its node's agent and a peer's; a restore of
+    # storage's newest checkpoint reads those copies (checkpointing/memory_tier.py). A kill
+    # lands one step after a save started, so the newest committed save was copied long ago.
+    from elastic.eventlog import read_events
+
+    events = outcome.elastic.root.parent / "events"
+    restores = [e for e in read_events(events) if e["event"] == "restored" and e["found"]]
+    assert restores, "no restore from a checkpoint was recorded"
+    assert {e.get("read_from") for e in restores} <= {"memory", "storage", "mixed"}
+    assert any(e.get("read_from") == "memory" for e in restores), restores
+

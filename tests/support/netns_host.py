@@ -181,8 +181,9 @@ class Host:
         return pids_in_netns({inode}) if inode is not None else []
 
     def workers(self, agent_pid: int) -> list[int]:
-        """The worker processes of the agent ``agent_pid``: its live children, oldest first."""
-        return proctree.children(agent_pid)
+        """The worker processes of the agent ``agent_pid``: its live children but waiting
+        standbys, oldest first."""
+        return proctree.workers(agent_pid)
 
     def kill_all(self, sig: signal.Signals = signal.SIGKILL) -> list[int]:
         """Sends ``sig`` to every process inside this namespace; returns their PIDs."""

@@ -179,8 +179,8 @@ class Launcher:
         return self.proc.poll()
 
     def workers(self) -> list[int]:
-        """Its live worker processes (its children), oldest first."""
-        return proctree.children(self.pid)
+        """Its live worker processes (its children but waiting standbys), oldest first."""
+        return proctree.workers(self.pid, self.output())
 
     def worker(self, timeout_s: float = 60.0) -> int:
         """Its one worker's PID (waits for it to be started)."""

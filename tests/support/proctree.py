@@ -1,16 +1,16 @@
 """Process trees from ``/proc``: find a process's descendants, signal or kill them by PID.
 
 Everything here relies on the parent links in ``/proc/<pid>/stat`` only, never on process
-names, so it keeps working whatever program an agent or a worker is. A process whose parent
-died is re-parented (to PID 1 or a subreaper) and leaves its old tree: callers that must find
-every process of a host use the network-namespace scan of :mod:`tests.support.netns_names`
-as well.
+names (except :func:`workers`, which leaves out an agent's waiting warm standbys), so it keeps
+working whatever program an agent or a worker is. A process whose parent died is re-parented
+(to PID 1 or a subreaper) and leaves its old tree: callers that must find every process of a
+host use the network-namespace scan of :mod:`tests.support.netns_names` as well.
 
 Example::
 
-    workers = children(agent.pid)          # an agent's workers, in start order
-    sigstop(workers[0])                    # hang it (its sockets stay open)
-    sigcont(workers[0])
+    pids = workers(agent.pid)              # an agent's workers, in start order
+    sigstop(pids[0])                       # hang it (its sockets stay open)
+    sigcont(pids[0])
     kill_tree(agent.pid)                   # the agent and everything below it
 """
 
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import time
 from collections.abc import Iterable
@@ -70,6 +71,30 @@ def children(pid: int) -> list[int]:
     """
     table = _parents()
     return sorted((c for c, (p, _) in table.items() if p == pid), key=lambda c: table[c][1])
+
+
+#: The agent's line for each worker it starts, cold or in a warm standby (launch/slots.py).
+_STARTED_WORKER = re.compile(r"started worker \d+\.\d+ \(pid (\d+)[,)]")
+
+
+def workers(pid: int, log: str | None = None) -> list[int]:
+    """:func:`children` of an agent that are workers, oldest first: without its warm standbys
+    that no world was handed to yet (:mod:`launch.standby`).
+
+    Args:
+        pid: The agent.
+        log: The agent's output so far. With it, exactly the children it names as started
+            workers; without it, the children but those whose ``comm`` name says standby,
+            which misses two moments: a standby's first tenth of a second (before it names
+            itself) looks like a worker, and a world handed to a standby still importing
+            looks like a standby until its imports end.
+    """
+    if log is not None:
+        named = {int(found) for found in _STARTED_WORKER.findall(log)}
+        return [c for c in children(pid) if c in named]
+    from launch.standby import is_standby
+
+    return [c for c in children(pid) if not is_standby(c)]
 
 
 def descendants(pid: int) -> list[int]:

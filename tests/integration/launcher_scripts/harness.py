@@ -81,6 +81,14 @@ def children(pid: int) -> list[int]:
         return []
 
 
+def workers(agent: Agent) -> list[int]:
+    """The agent's live workers, oldest first: the children its log names as started workers
+    (not its warm standbys, which are in :func:`tree`)."""
+    from tests.support.proctree import workers as named_workers
+
+    return named_workers(agent.pid, agent.output())
+
+
 def tree(pid: int) -> list[int]:
     """``pid`` and all its descendants."""
     out = [pid]
@@ -122,7 +130,7 @@ class Agent:
         return self.proc.pid
 
     def worker_pids(self) -> list[int]:
-        return children(self.pid)
+        return workers(self)
 
     def output(self) -> str:
         return self.log.read_text(errors="replace")

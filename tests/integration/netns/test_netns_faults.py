@@ -224,7 +224,7 @@ def _worker_named(agent: Launcher, pid: int) -> str:
     """The agent's name for its worker ``pid`` (``local_rank.incarnation``, as a regex): the
     incarnation depends on how the job started (a node joining after the first world was
     written restarts the first workers in restart mode)."""
-    found = re.search(rf"started worker (\d+\.\d+) \(pid {pid}\)", agent.output())
+    found = re.search(rf"started worker (\d+\.\d+) \(pid {pid}[,)]", agent.output())
     assert found is not None, f"no worker with pid {pid}: {agent.output()[-3000:]}"
     return re.escape(found[1])
 

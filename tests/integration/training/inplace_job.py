@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tests.integration.launcher_scripts.harness import Agent, Cluster, children, wait_until
+from tests.integration.launcher_scripts.harness import Agent, Cluster, wait_until, workers
 from tests.integration.training.inplace_audit import Audit, read_audit
 
 WORKER = Path(__file__).with_name("inplace_worker.py")
@@ -83,7 +83,7 @@ class InPlaceJob:
         return found[0]
 
     def worker_pid(self, agent: Agent) -> int:
-        pids = children(agent.pid)
+        pids = workers(agent)
         assert len(pids) == 1, f"agent {agent.pid} has workers {pids}"
         return pids[0]
 

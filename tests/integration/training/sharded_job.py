@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from elastic.loop.audit import AUDIT_ENV
-from tests.integration.launcher_scripts.harness import Agent, Cluster, children, wait_until
+from tests.integration.launcher_scripts.harness import Agent, Cluster, wait_until, workers
 from tests.integration.training.inplace_audit import Audit, read_audit
 
 WORKER = Path(__file__).with_name("sharded_worker.py")
@@ -83,7 +83,7 @@ class ShardedJob:
             assert agent.wait(EVENT_TIMEOUT * 2) == 0, self.cluster.logs()
 
     def workers(self, agent: Agent) -> list[int]:
-        return children(agent.pid)
+        return workers(agent)
 
     def committed(self) -> bool:
         return any(self.checkpoints.glob("step-*/COMMIT.json"))

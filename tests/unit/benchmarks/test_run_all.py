@@ -289,6 +289,35 @@ def test_recovery_without_elastic_run_gives_no_rows() -> None:
     assert run_all.recovery_rows(runs) == []
 
 
+# --------------------------------------------------------------------------------- restart
+
+
+def test_restart_rows_goals_and_speedup_from_the_scripts_json() -> None:
+    from benchmarks.restart_path import Fault, Run
+
+    def run(launcher: str, worker: float | None, node: float | None) -> dict[str, Any]:
+        faults = {"worker": Fault(stall=worker), "node": Fault(stall=node, note="hung")}
+        return asdict(Run(launcher, 0, faults))
+
+    runs = [run("elastic-run", 1.0, 2.0), run("elastic-run", 3.0, None),
+            run("elastic-run", 1.5, 4.0), run("torchrun", 6.0, 12.0)]
+    rows = run_all.restart_rows(runs)
+    worker = _one(rows, "worker SIGKILL", "torchrun")
+    assert worker.ours == 1.5 and worker.met is True and worker.ratio == pytest.approx(4.0)
+    node = _one(rows, "node SIGKILL", "torchrun")
+    assert node.ours == pytest.approx(3.0) and node.met is True  # median of 2.0 and 4.0
+    assert node.ours_note == "2 of 3 runs"
+    slow = run_all.restart_rows([run("elastic-run", 2.5, 3.5)])
+    assert [r.met for r in slow] == [False, False] and slow[0].baseline is None
+    assert run_all.restart_rows([run("torchrun", 6.0, 12.0)]) == []
+    # The caches turned off: one more row per fault, against the same torchrun, no goal.
+    rows = run_all.restart_rows([*runs, run("elastic-run-off", 8.0, 9.0)])
+    cold = _one(rows, "worker SIGKILL: survivors' stall, restart mode, plain script, warm",
+                "torchrun")
+    assert cold.ours == 8.0 and cold.ratio == pytest.approx(0.75) and cold.goal == ""
+    assert cold.met is None and len(rows) == 4
+
+
 # --------------------------------------------------------------------------------- inplace
 
 

@@ -35,8 +35,9 @@ def test_the_loop_logs_steps_saves_and_restores(
     steps = [e["step"] for e in log if e["event"] == "step"]
     assert steps == [0, 1, 2, 3, 4, 5, 6]
     assert all(e.get("duration_s", 0) >= 0 and e["job"] == "exp-9" for e in log)
-    restored = [(e["step"], e["found"]) for e in log if e["event"] == "restored"]
-    assert restored == [(0, False), (5, True)]
+    restored = [(e["step"], e["found"], e["read_from"]) for e in log
+                if e["event"] == "restored"]
+    assert restored == [(0, False, "storage"), (5, True, "storage")]  # no memory store here
     saves = [(e["step"], e["final"]) for e in log if e["event"] == "checkpoint"]
     assert saves == [(3, False), (5, True), (6, False), (7, True)]
     blocked = {e["step"]: e["blocked_s"] for e in log

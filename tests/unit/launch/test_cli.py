@@ -114,6 +114,10 @@ def test_standalone_uses_our_backend_and_a_fresh_job_id(script: str) -> None:
          r"without '/'"),
         (["--etcd", "a:1", "--rdzv-id", " x"], r"the job id \(' x'\) must be"),
         (["--standalone", "--job-id", "team/exp"], r"the job id \('team/exp'\)"),
+        (["--standalone", "--warm-standby", "yes"],
+         r"^--warm-standby \('yes'\) must be 'auto', 'on' or 'off'"),
+        (["--standalone", "--memory-checkpoints", "1"],
+         r"^--memory-checkpoints \('1'\) must be 'on' or 'off'"),
     ],
 )
 def test_bad_input_is_one_sentence_naming_the_value(
@@ -187,6 +191,27 @@ def test_a_bad_metrics_port_is_one_sentence_naming_it(
     monkeypatch.setenv("ELASTIC_METRICS_PORT", "nine")
     with pytest.raises(ConfigError, match=r"^ELASTIC_METRICS_PORT \('nine'\) is not a port"):
         cli.parse_args(["--standalone", script])
+
+
+def test_the_restart_caches_are_on_by_default_and_turn_off_by_flag_or_environment(
+    script: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("ELASTIC_WARM_STANDBY", raising=False)
+    monkeypatch.delenv("ELASTIC_MEMORY_CHECKPOINTS", raising=False)
+    base = ["--standalone", script]
+    args = cli.parse_args(base)
+    assert (args.warm_standby, args.memory_checkpoints) == ("auto", "on")
+    args = cli.parse_args(["--warm-standby", "on", *base])
+    assert args.warm_standby == "on"
+    args = cli.parse_args(["--warm-standby", "off", "--memory-checkpoints", "off", *base])
+    assert (args.warm_standby, args.memory_checkpoints) == ("off", "off")
+    monkeypatch.setenv("ELASTIC_WARM_STANDBY", "off")
+    monkeypatch.setenv("ELASTIC_MEMORY_CHECKPOINTS", "off")
+    args = cli.parse_args(base)
+    assert (args.warm_standby, args.memory_checkpoints) == ("off", "off")
+    monkeypatch.setenv("ELASTIC_WARM_STANDBY", "maybe")
+    with pytest.raises(ConfigError, match=r"^--warm-standby \('maybe'\) must be"):
+        cli.parse_args(base)
 
 
 def test_events_dir_takes_a_url(script: str) -> None:

@@ -79,3 +79,40 @@ def test_a_running_worker_with_a_late_heartbeat_keeps_its_process_until_the_ttl(
     assert busy.exit_code() is None, "a worker that only missed heartbeats was replaced"
     supervisor.check_heartbeats([_connection(1, busy.pid, TTL + 0.5)], TTL)
     assert busy.proc.wait(5) == -signal.SIGKILL
+
+
+@pytest.mark.parametrize("in_place", [False, True], ids=["auto", "on"])
+def test_auto_drops_the_warm_standbys_once_the_workers_reconfigure_in_place(
+    in_place: bool,
+) -> None:
+    """``--warm-standby auto`` keeps a standby per slot while the workers restart, and kills
+    them once a worker declared that it reconfigures in place; ``on`` keeps them."""
+    config = AgentConfig(job_id="j", key_prefix="/e", min_nodes=1, max_nodes=1,
+                         nproc_per_node=1, addr="127.0.0.1", ttl=int(TTL), warm_standby=True,
+                         standby_in_place=in_place)
+    command = WorkerCommand((sys.executable, "-u", "-m", "launch.worker_guard", "train.py"),
+                            dict(os.environ))
+    made = Supervisor(config, command, EventLog(None, job="j", source="test"),
+                      node=lambda: "n0", channel_path=lambda: "/nonexistent",
+                      may_start=lambda: True)
+    try:
+        assert made.standby is not None
+        made.tick_standbys()
+        (pid,) = made.standby.pids()
+        assert os.path.exists(f"/proc/{pid}")
+        made.tick_standbys()
+        assert made.standby is not None, "dropped while no worker had declared in place"
+        made.slots[0].inplace = True  # what a worker's Declare(inplace=True) sets
+        made.tick_standbys()
+        if in_place:
+            assert made.standby is not None and made.standby.pids() == [pid]
+        else:
+            assert made.standby is None
+            deadline = time.monotonic() + 10
+            while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert not os.path.exists(f"/proc/{pid}"), "the dropped standby still runs"
+    finally:
+        if made.standby is not None:
+            made.standby.close()
+        made.kill_all()

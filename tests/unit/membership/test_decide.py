@@ -165,6 +165,16 @@ CASES = [
          world(5, mode="restart", cause="worker_failed"),
          [node(n, incarnation=2, pid=0, inplace=False) for n in "abc"], "write",
          ranks=("a/0.2", "b/0.2", "c/0.2"), written={"epoch": 6, "cause": "worker_failed"}),
+    Case("restart: after the empty world, every live node's new incarnations at once, "
+         "below max nodes too",
+         world(5, mode="restart", cause="node_lost"),
+         [node(n, incarnation=2, pid=0, inplace=False) for n in "ab"], "write",
+         ranks=("a/0.2", "b/0.2"), written={"epoch": 6, "cause": "node_lost"}),
+    Case("restart: after the empty world, a node not ready yet (backing off) keeps the last "
+         "call", world(5, mode="restart"),
+         [node("a", incarnation=2, pid=0, inplace=False),
+          node("b", incarnation=2, pid=0, inplace=False),
+          node("c", incarnation=2, pid=0, inplace=False, ready=False)], "wait", detail=1.0),
     Case("restart: every worker now in place: the same epoch upgraded",
          world(4, "a", "b", mode="restart"), [node("a"), node("b")], "write",
          ranks=("a/0.1", "b/0.1"), written={"epoch": 4, "mode": "inplace"}),

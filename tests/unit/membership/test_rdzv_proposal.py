@@ -6,7 +6,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from elastic.contract.records import NodeRecord, WorkerSlot, WorldRecord
-from membership.proposal import Change, classify, common_failure, laggards, next_world
+from membership.proposal import (
+    Change,
+    classify,
+    common_failure,
+    failed_builds,
+    laggards,
+    next_world,
+)
 
 
 def node(name: str, rev: int, slots: int = 1, *, ready: bool = True, inplace: bool = True,
@@ -162,3 +169,20 @@ def test_a_departed_node_whose_record_is_already_gone_is_still_a_departure() -> 
     # Without that memory the same loss reads as a node lost.
     unknown = _restart_all(first, survivors)
     assert unknown.lost == ("c/0.1",) and _cause(unknown, first, survivors) == "node_lost"
+
+
+def test_failed_builds_count_in_restart_mode_worlds_too() -> None:
+    """A restart-mode world's workers are not restarted while its composition stands: a
+    member too slow for the build timeout must get the world written again, as in place."""
+    for mode in ("inplace", "restart"):
+        nodes = [node("a", 1, inplace=mode == "inplace"), node("b", 2, inplace=False)]
+        world = propose(None, nodes)
+        assert world is not None
+        world = world.with_changes(mode=mode)
+        assert failed_builds(world, nodes) == (set(), False)
+        one = [nodes[0].with_changes(failed_build=world.epoch), nodes[1]]
+        assert failed_builds(world, one) == ({"a"}, False)
+        both = [n.with_changes(failed_build=world.epoch) for n in nodes]
+        assert failed_builds(world, both) == ({"a", "b"}, True)
+    empty = WorldRecord(5, (), ("10.0.0.1", 4000), "restart")
+    assert failed_builds(empty, [node("a", 1, failed_build=5)]) == (set(), False)
