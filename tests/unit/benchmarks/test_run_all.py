@@ -30,6 +30,7 @@ from benchmarks.metrics_overhead import schedule as metrics_schedule
 from benchmarks.recovery_vs_torchrun import Run as RecoveryRun
 from benchmarks.rendezvous_scale import LoadResult, RoundResult, predicted_load
 from benchmarks.sampler_memory import Case as SamplerCase
+from tests.support import proctree
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -650,14 +651,6 @@ def _fake(name: str, script: str, rows: Any = run_all.rendezvous_rows) -> run_al
     return run_all.Bench(name, script, ("--x",), ("--y",), 60, 60, rows)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def test_run_bench_failure_and_timeout_kill_the_whole_tree(tmp_path: Path) -> None:
     (tmp_path / "fail.py").write_text(_FAIL_SCRIPT)
     (tmp_path / "hang.py").write_text(_HANG_SCRIPT)
@@ -673,9 +666,9 @@ def test_run_bench_failure_and_timeout_kill_the_whole_tree(tmp_path: Path) -> No
     assert hung.status == "timed out" and hung.returncode is None
     grandchild = int(pid_file.read_text())
     deadline = time.monotonic() + 30
-    while _alive(grandchild) and time.monotonic() < deadline:
+    while proctree.alive(grandchild) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not _alive(grandchild)
+    assert not proctree.alive(grandchild)
     assert run_all.summarize(hung)[0].failed.startswith("timed out")
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from launch.standby import DEFAULT_PRELOAD, StandbyPool, standby_state
+from tests.support import proctree
 
 pytestmark = [
     pytest.mark.slow,
@@ -59,14 +60,6 @@ def _wait(predicate: object, timeout: float, what: str) -> None:
             return
         time.sleep(0.05)
     raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 @pytest.fixture
@@ -173,7 +166,7 @@ def test_a_changed_environment_starts_cold_and_replaces_the_standby(
     (standby,) = pool.pids()
     changed = {**env, "LOCAL_RANK": "0", "OMP_NUM_THREADS": "7", "RANK": "0"}
     assert pool.take(0, changed, (*GUARD, "x.py")) is None
-    _wait(lambda: not _alive(standby), 10, "the stale standby to be stopped")
+    _wait(lambda: not proctree.alive(standby), 10, "the stale standby to be stopped")
     pool.tick()
     assert len(pool.pids()) == 1 and pool.pids() != [standby]
     # A command a standby cannot run (--exec) always starts cold, and keeps the standby.
@@ -200,7 +193,7 @@ def test_a_standby_dies_with_its_agent(tmp_path: Path) -> None:
         _wait(lambda: standby_state(standby) == "ready", 30, "the standby to start")
         os.kill(proc.pid, signal.SIGKILL)  # the agent alone, as an OOM kill would
         proc.wait(timeout=10)
-        _wait(lambda: not _alive(standby), 10, "the standby to die with its agent")
+        _wait(lambda: not proctree.alive(standby), 10, "the standby to die with its agent")
     finally:
         if proc.poll() is None:
             proc.kill()
