@@ -558,11 +558,6 @@ class CheckpointManager:
                     "lost a write, the next save tries again."
                 )
 
-    def _global(self, group_rank: int) -> int:
-        if self._pg is None:
-            return group_rank
-        return dist.get_global_rank(self._pg, group_rank)
-
     def _apply_retention(self, in_flight: str | None) -> None:
         try:
             committed, uncommitted = self._scan()
@@ -728,7 +723,8 @@ class CheckpointManager:
             except Exception as exc:
                 choice = [f"Error:{type(exc).__name__}: {exc}"]
         if self._distributed:
-            dist.broadcast_object_list(choice, src=self._global(0), group=self._pg)
+            dist.broadcast_object_list(choice, src=self._save_world().global_rank(0),
+                                       group=self._pg)
         picked = choice[0]
         if isinstance(picked, tuple):
             try:
