@@ -29,6 +29,7 @@ from elastic.sharded.model import (
 )
 from elastic.sharded.plan import copy_holders, hsdp_replicas
 from elastic.sharded.reshard import reshard_heal
+from elastic.sharded.step_agreement import world_agreement_hook
 from elastic_errors import ConfigError
 from torch_private import socket_inodes
 
@@ -92,6 +93,13 @@ class ShardedWay:
 
     def _hook_optimizer(self, optimizer: Any) -> None:
         controller = self._inplace
+        ctx = self.ctx
+        if controller is not None and ctx is not None and self._sharded is not None and \
+                hsdp_replicas(ctx.world_size, self._sharded.replicate) > 1:
+            # HSDP: no survivor applies a step some other survivor did not (first: on NCCL
+            # the host wait below covers it).
+            optimizer.register_step_pre_hook(world_agreement_hook(
+                group=lambda: ctx.process_group, device=lambda: ctx.device))
         if controller is not None:
             # NCCL: a step of an aborted world must never be applied (see the controller; a
             # sharded loop's steps are not gated on the device: the host waits for them).
