@@ -275,8 +275,31 @@ class FailureJudge:
         if in_place:
             self._supervisor.restart_in_place(slot, delay)
         else:
+            for other in self._supervisor.slots:
+                if other is not slot and other.pending is not None:
+                    self._restarted_after_exit(other)
             self._supervisor.restart_all(slot, delay)
         return True
+
+    def _restarted_after_exit(self, slot: Slot) -> None:
+        """Restart mode restarts this node's workers for another slot's failure while
+        ``slot``'s worker had already exited and its failure was still being judged. That
+        failure is of the same broken world, and the restart answers it. Judged later, it
+        would be taken for a crash of the next incarnation and restart the node's workers
+        again, fresh ones included (a benchmark's worker SIGKILL cost 20 s so). Its error
+        still counts for the leader's "script bug" rule, as in
+        :meth:`restarted_while_dying`."""
+        failure = slot.pending
+        assert failure is not None
+        slot.pending = None
+        report = dict(slot.report or {})
+        if not report.get("error") and failure.process.last_error_line:
+            report["error"] = failure.process.last_error_line
+        node_lost = self._node_lost_since(failure.world)
+        self.note(report, own=report.get("peer_type") is False or not node_lost)
+        logger.warning("worker %s failed (exit code %s: %s) in the world this node's workers "
+                       "now restart from", slot.local_id, failure.code,
+                       report.get("error", "no report"))
 
     def note(self, report: Mapping[str, Any], *, own: bool = True) -> None:
         """Keeps the last error this node's workers died of for the leader's "script bug"

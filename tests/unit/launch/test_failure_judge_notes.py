@@ -30,7 +30,7 @@ def _judge(node: str, newest: WorldRecord) -> FailureJudge:
                           node=SimpleNamespace(lease=SimpleNamespace(fresh=lambda margin: True)))
     config = SimpleNamespace(budget=SimpleNamespace(backoff_base=1.0), ttl=3)
     noop = lambda *_a, **_k: None  # noqa: E731
-    supervisor = SimpleNamespace(restart_in_place=noop, restart_all=noop)
+    supervisor = SimpleNamespace(restart_in_place=noop, restart_all=noop, slots=[])
     events = SimpleNamespace(record=noop)
     return FailureJudge(cast(Any, config), cast(Any, supervisor), cast(Any, None),
                         cast(Any, events),
@@ -115,3 +115,45 @@ def test_a_peer_failure_settled_after_a_node_was_lost_is_not_the_workers_own() -
     assert [n["own"] for n in notes] == [False, False]
     records = [SimpleNamespace(departing=None, workers=(1,), failure=n) for n in notes]
     assert common_failure(cast(Any, records)) is None
+
+
+def test_one_restart_answers_a_failure_another_slot_was_still_being_judged_for() -> None:
+    # Restart mode, two workers on this node: worker 0 is SIGKILLed, worker 1 dies of it
+    # ("Connection reset by peer") and its failure waits for evidence of its cause. Worker
+    # 0's kill restarts both slots. Worker 1's failure, judged later, must not be taken for a
+    # crash of the fresh incarnation and restart them again (a benchmark's single kill
+    # cost three restarts and 20 s so).
+    from launch.budget import CrashBudget
+
+    world = _world(3, "n0/0.1", "n0/1.1", "n1/0.1")
+    dead = SimpleNamespace(stopping=False, last_error_line="", incarnation=1)
+    reset = SimpleNamespace(stopping=False, last_error_line=ERROR, incarnation=1)
+    slots = [Slot(local_rank=0, incarnation=1, started_for=world),
+             Slot(local_rank=1, incarnation=1, started_for=world,
+                  report={"error": ERROR, "step": 12, "peer": False, "peer_type": True,
+                          "before_stop": True})]
+    slots[0].pending = PendingFailure(cast(Any, dead), -9, world, decide_by=10.0)
+    slots[1].pending = PendingFailure(cast(Any, reset), 1, world, decide_by=10.0,
+                                      probed=True)
+    restarted: list[str] = []
+
+    def restart_all(except_for: Slot, delay: float) -> None:  # as the Supervisor's
+        restarted.append(except_for.local_id)
+        for slot in slots:
+            slot.process = None
+            slot.next_incarnation()
+
+    judge = _judge("n0", world)
+    judge.budget = CrashBudget(max_restarts=3, window=60.0, backoff_base=1.0)
+    judge._supervisor = cast(Any, SimpleNamespace(slots=slots, restart_all=restart_all))
+    assert judge.settle(slots[1], now=1.0, last_world=world)  # its cause is not known yet
+    assert judge.settle(slots[0], now=1.0, last_world=world)  # a SIGKILL: its own
+    for now in (2.0, 11.0):  # the agent's later ticks
+        for slot in slots:
+            if slot.pending is not None:
+                assert judge.settle(slot, now=now, last_world=world)
+    assert restarted == ["0.1"] and judge.restarts == 1
+    assert [slot.incarnation for slot in slots] == [2, 2]
+    # Worker 1's error still counts for the "script bug" rule (no node was lost).
+    assert judge.failure_note is not None and judge.failure_note["error"] == ERROR
+    assert judge.failure_note["own"] is True
