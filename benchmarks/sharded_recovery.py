@@ -18,7 +18,11 @@ layer, with Adam: at the defaults 18.9 M parameters, 226 MB of parameters and Ad
 3. **Recovery by restart**: the same job under ``--elastic-mode restart`` (every worker is
    restarted and loads the last checkpoint, re-sharded by DCP into the world it finds); the
    kill comes once a checkpoint is committed; recovery is the time from the kill to the first
-   step a new worker of node 0 completes. Goal: in place <= 1/5 of this.
+   step a new worker completes. Twice: ``restart-cold`` (``--warm-standby off
+   --memory-checkpoints off``: fresh processes read the checkpoint from storage, the restart
+   path the goal was set against; goal: in place <= 1/5 of this) and ``restart`` (today's
+   defaults: the workers restart in warm standbys and read the checkpoint's copy in host
+   memory; shown, no goal).
 
 Both recoveries include that first step's compute; the table also gives, for each, the time
 from the kill to the moment that step starts (the heal or the restart and load alone), from
@@ -186,6 +190,7 @@ class Job:
     endpoint: str
     mode: str
     worker: list[str]
+    flags: list[str] = field(default_factory=list)
     agents: list[subprocess.Popen[bytes]] = field(default_factory=list)
 
     @property
@@ -200,8 +205,8 @@ class Job:
                 [sys.executable, "-m", "launch", "--etcd", self.endpoint, "--job-id",
                  f"{self.name}-{os.getpid()}", "--elastic-mode", self.mode, "--nnodes", "3",
                  "--nproc-per-node", "2", "--max-restarts", "3", "--monitor-interval", "0.1",
-                 *self.worker], stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO,
-                start_new_session=True))
+                 *self.flags, *self.worker], stdout=log, stderr=subprocess.STDOUT, env=env,
+                cwd=REPO, start_new_session=True))
 
     def stop(self) -> None:
         for agent in self.agents:
@@ -248,12 +253,23 @@ def step_time(args: argparse.Namespace, endpoint: str, workdir: Path, redundancy
     return statistics.median(gaps), job.copy_stats()
 
 
+#: The recoveries measured: (name, ``--elastic-mode``, more flags). ``restart-cold`` is the
+#: restart path as the issue defined it: every worker restarts cold and reads the last
+#: checkpoint from storage (DCP). ``restart`` is today's default restart path: warm standbys
+#: and the checkpoint's copy in host memory.
+RECOVERIES: tuple[tuple[str, str, list[str]], ...] = (
+    ("inplace", "inplace", []),
+    ("restart", "restart", []),
+    ("restart-cold", "restart", ["--warm-standby", "off", "--memory-checkpoints", "off"]),
+)
+
+
 def recovery(args: argparse.Namespace, endpoint: str, workdir: Path, mode: str,
-             tag: str) -> dict[str, float]:
+             tag: str, flags: list[str]) -> dict[str, float]:
     """Seconds from a worker's SIGKILL to node 0's first step in the new world, and the steps
     the job went back."""
     name = f"recover-{tag}"
-    job = Job(name, workdir, endpoint, mode, [])
+    job = Job(name, workdir, endpoint, mode, [], flags)
     ckpt = workdir / f"{name}-ckpt"
     job.worker = _worker_args(args, job.out, str(ckpt), 1, 10 * args.steps)
     job.start()
@@ -284,6 +300,18 @@ def recovery(args: argparse.Namespace, endpoint: str, workdir: Path, mode: str,
         job.stop()
 
 
+def copies_share(stats: list[dict[str, Any]], step_s: float,
+                 with_transfers: bool = False) -> float | None:
+    """The copies' own time as a share of the training time, the median over the workers of
+    a job with copies: its refreshes times what its last one cost over its steps times the
+    step time. The cost is the blocking copy and confirmation; ``with_transfers`` adds the
+    background transfers as if they stopped training too (an upper bound: on a GPU node they
+    run on idle host cores, here they compete for 2). ``None`` without figures."""
+    shares = [s["refreshes"] * (s["blocking_ms"] + (s["exchange_ms"] if with_transfers else 0))
+              / 1e3 / (s["steps"] * step_s) for s in stats if s.get("steps")]
+    return statistics.median(shares) if shares and step_s > 0 else None
+
+
 def report(result: dict[str, Any]) -> str:
     """The Markdown table (the rows measured), with ratios to the same run's baselines."""
     def med(key: str) -> float:
@@ -295,21 +323,37 @@ def report(result: dict[str, Any]) -> str:
         "| measure | in place (copies on) | baseline | ratio | goal | met? |",
         "|---|---|---|---|---|---|",
     ]
-    if result["inplace_s"] and result["restart_s"]:
-        inplace, restart = med("inplace_s"), med("restart_s")
-        resumed, restarted = med("inplace_resumed_s"), med("restart_resumed_s")
+    baselines = (("restart-cold", "cold restart + DCP load from storage", True),
+                 ("restart", "today's restart path: warm standbys + memory checkpoint", False))
+    for key, label, goal in baselines:
+        if not (result["inplace_s"] and result.get(f"{key}_s")):
+            continue
+        inplace, restart = med("inplace_s"), med(f"{key}_s")
+        resumed, restarted = med("inplace_resumed_s"), med(f"{key}_resumed_s")
+        met = f"{'yes' if inplace / restart <= RECOVERY_GOAL else 'no'}" if goal else ""
         lines += [
-            f"| recovery from a worker SIGKILL (s) | {inplace:.2f} | {restart:.2f} (restart + "
-            f"DCP load) | {inplace / restart:.3f} | <= {RECOVERY_GOAL} | "
-            f"{'yes' if inplace / restart <= RECOVERY_GOAL else 'no'} |",
+            f"| recovery from a worker SIGKILL (s) | {inplace:.2f} | {restart:.2f} ({label}) | "
+            f"{inplace / restart:.3f} | {f'<= {RECOVERY_GOAL}' if goal else ''} | {met} |",
             f"| of which: kill to training resumed (s) | {resumed:.2f} | {restarted:.2f} | "
             f"{resumed / restarted:.3f} | | |",
-            f"| steps lost | {med('inplace_lost'):.0f} | {med('restart_lost'):.0f} | | | |",
+            f"| steps lost | {med('inplace_lost'):.0f} | {med(f'{key}_lost'):.0f} | | | |",
         ]
     if result["step_on_s"] and result["step_off_s"]:
         on, off = med("step_on_s"), med("step_off_s")
         lines.append(f"| step time (s) | {on:.3f} | {off:.3f} (redundancy=0) | {on / off:.4f} | "
                      f"<= {OVERHEAD_GOAL} | {'yes' if on / off <= OVERHEAD_GOAL else 'no'} |")
+        share = copies_share(result["copy_stats"], on)
+        bound = copies_share(result["copy_stats"], on, with_transfers=True)
+        if share is not None and bound is not None:
+            # The ratio above is within this machine's noise (6 workers on 2 cores); these
+            # are the copies' own times, counted on each worker, against its training time.
+            lines += [
+                f"| copies' blocking time / training time | {100 * share:.2f} % | | | "
+                f"<= {100 * (OVERHEAD_GOAL - 1):.0f} % | "
+                f"{'yes' if share <= OVERHEAD_GOAL - 1 else 'no'} |",
+                f"| the same, background transfers counted as blocking | {100 * bound:.2f} % "
+                "| | | | |",
+            ]
     lines += ["", f"state: {result['state_mb']:.0f} MB of parameters and Adam state over 6 "
                   f"workers; runs: {max(len(result['inplace_s']), len(result['step_on_s']))}"]
     stats = result["copy_stats"]
@@ -342,6 +386,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", default="")
     parser.add_argument("--only", choices=("steps", "recovery"), default=None,
                         help="run only the step-time jobs or only the recovery jobs")
+    parser.add_argument("--recoveries", default=",".join(k for k, _, _ in RECOVERIES),
+                        help="the recoveries to measure, comma-separated (default: all)")
     parser.add_argument("--workdir", default="")
     args = parser.parse_args(argv)
     if args.worker:
@@ -353,8 +399,9 @@ def main(argv: list[str] | None = None) -> int:
     result: dict[str, Any] = {
         "state_mb": 3 * 4 * params / 1e6, "load": os.getloadavg(),
         "step_on_s": [], "step_off_s": [], "inplace_s": [], "inplace_lost": [],
-        "restart_s": [], "restart_lost": [], "inplace_resumed_s": [], "restart_resumed_s": [],
-        "copy_stats": []}
+        "copy_stats": [],
+        **{f"{key}{suffix}": [] for key, _, _ in RECOVERIES
+           for suffix in ("_s", "_lost", "_resumed_s")}}
     etcd, endpoint = _start_etcd(workdir)
     try:
         for run in range(args.runs):
@@ -364,10 +411,12 @@ def main(argv: list[str] | None = None) -> int:
                 result["step_off_s"].append(off)
                 result["step_on_s"].append(on)
                 result["copy_stats"].extend(stats)
-            for mode, key in (("inplace", "inplace"), ("restart", "restart")):
+            for key, mode, flags in RECOVERIES:
                 if args.only == "steps":
                     break
-                measured = recovery(args, endpoint, workdir, mode, f"{mode}{run}")
+                if key not in args.recoveries.split(","):
+                    continue
+                measured = recovery(args, endpoint, workdir, mode, f"{key}{run}", flags)
                 result[f"{key}_s"].append(measured["recovery_s"])
                 result[f"{key}_resumed_s"].append(measured["resumed_s"])
                 result[f"{key}_lost"].append(measured["steps_lost"])

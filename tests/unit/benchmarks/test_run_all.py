@@ -439,30 +439,55 @@ def _sharded_result() -> dict[str, Any]:
     # The shape sharded_recovery.py's main() builds and writes with --json.
     return {"state_mb": 226.5, "load": (1.0, 1.0, 1.0), "step_on_s": [3.0, 3.2, 3.02],
             "step_off_s": [3.0, 2.9, 3.0], "inplace_s": [4.0, 5.0, 6.0], "inplace_lost": [3, 0, 2],
-            "restart_s": [30.0, 36.0, 33.0], "restart_lost": [2, 2, 2],
-            "inplace_resumed_s": [1.0, 2.0, 1.5], "restart_resumed_s": [28.0, 30.0, 29.0],
-            "copy_stats": []}
+            "restart-cold_s": [30.0, 36.0, 33.0], "restart-cold_lost": [2, 2, 2],
+            "restart-cold_resumed_s": [28.0, 30.0, 29.0],
+            "restart_s": [8.0, 9.0, 10.0], "restart_lost": [1, 1, 1],
+            "restart_resumed_s": [4.0, 4.5, 5.0],
+            "inplace_resumed_s": [1.0, 2.0, 1.5], "copy_stats": []}
 
 
 def test_sharded_rows_recovery_and_copies_against_the_same_runs_baselines() -> None:
     from benchmarks import sharded_recovery
 
     data = _sharded_result()
-    recovery, resumed, lost, step = run_all.sharded_rows(data)
+    recovery, resumed, lost, warm, warm_resumed, _warm_lost, step = run_all.sharded_rows(data)
     assert recovery.ours == 5.0 and recovery.baseline == 33.0 and recovery.met is True
     assert recovery.ratio == pytest.approx(5.0 / 33.0) and "226 MB" in recovery.measure
+    assert recovery.baseline_name.startswith("cold restart + DCP load")
     assert resumed.ours == 1.5 and resumed.baseline == 29.0 and resumed.met is None
     assert lost.ours == 2 and lost.unit == "steps"
+    # Today's warm restart path is shown beside it, with no goal.
+    assert warm.baseline == 9.0 and warm.met is None and warm.goal == ""
+    assert warm_resumed.baseline == 4.5
     assert step.ratio == pytest.approx(3.02 / 3.0) and step.met is True
     data["step_on_s"] = [3.1, 3.1, 3.1]
     assert run_all.sharded_rows(data)[-1].met is False  # 1.033x: over the 1 % goal
     # The script's own table reads the same dict.
     table = sharded_recovery.report(data)
-    assert "| 5.00 | 33.00 (restart + DCP load) | 0.152 | <= 0.2 | yes |" in table
+    assert ("| 5.00 | 33.00 (cold restart + DCP load from storage) | 0.152 | <= 0.2 | yes |"
+            in table), table
+    assert "| 5.00 | 9.00 (today's restart path" in table
+    # The copies' own time against the training time: 2 refreshes of 60 ms blocking (+ 600
+    # ms of transfers) in 100 steps of 3.02 s.
+    data["step_on_s"] = [3.0, 3.2, 3.02]
+    data["copy_stats"] = [{"rank": 0, "refreshes": 2, "blocking_ms": 60.0,
+                           "exchange_ms": 600.0, "steps": 100}]
+    table = sharded_recovery.report(data)
+    assert "| copies' blocking time / training time | 0.04 % | | | <= 1 % | yes |" in table
+    assert "| the same, background transfers counted as blocking | 0.44 % |" in table
+
+
+def test_sharded_rows_of_an_older_json_read_its_restart_as_the_cold_path() -> None:
+    data = {key: value for key, value in _sharded_result().items()
+            if not key.startswith("restart")}
+    data.update({"restart_s": [30.0, 36.0, 33.0], "restart_lost": [2, 2, 2],
+                 "restart_resumed_s": [28.0, 30.0, 29.0]})
+    recovery, _resumed, _lost, _step = run_all.sharded_rows(data)
+    assert recovery.baseline == 33.0 and recovery.met is True
 
 
 def test_sharded_rows_of_a_partial_run_give_only_what_was_measured() -> None:
-    data = {**_sharded_result(), "inplace_s": [], "restart_s": []}  # --only steps
+    data = {**_sharded_result(), "inplace_s": []}  # --only steps
     (step,) = run_all.sharded_rows(data)
     assert step.baseline_name == "redundancy=0, same run"
 
