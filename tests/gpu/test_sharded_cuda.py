@@ -29,6 +29,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from tests.support.sharding import shard_linear_layers
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.slow,
@@ -44,16 +46,6 @@ _WORLDS = [("A", [0, 1]), ("B", [0, 1, 2]), ("C", [1, 2])]
 def _model() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3)).double()
-
-
-def _parallelize(model: nn.Module, mesh: Any) -> nn.Module:
-    from torch.distributed.fsdp import fully_shard
-
-    for layer in model:
-        if isinstance(layer, nn.Linear):
-            fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return model
 
 
 def _expected() -> dict[str, torch.Tensor]:
@@ -79,7 +71,7 @@ def _process(proc: int, port: int, out: str, device_type: str = "cuda") -> None:
         torch.cuda.set_device(device)
         torch.zeros(1, device=device)  # CUDA is initialised: the mesh keeps this device
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
-    training = ShardedTraining(_model(), parallelize=_parallelize,
+    training = ShardedTraining(_model(), parallelize=shard_linear_layers,
                                optimizer=lambda params: torch.optim.Adam(params, lr=1e-2))
     copies, loop, heal_epoch = ShardCopies(every=1), _Loop(), 0
     expected = _expected()

@@ -29,6 +29,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from tests.support.sharding import shard_linear_layers
+
 pytestmark = pytest.mark.slow
 
 _GLOBAL = 12
@@ -44,16 +46,6 @@ def _model() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(),
                          nn.Linear(16, 1)).double()
-
-
-def _parallelize(model: nn.Module, mesh: Any) -> nn.Module:
-    from torch.distributed.fsdp import fully_shard
-
-    for layer in model:
-        if isinstance(layer, nn.Linear):
-            fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return model
 
 
 def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -85,7 +77,7 @@ def _process(proc: int, port: int, out: str) -> None:
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
     training = ShardedTraining(
-        _model(), parallelize=_parallelize,
+        _model(), parallelize=shard_linear_layers,
         optimizer=lambda params: torch.optim.Adam(params, lr=1e-2),
         scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5))
     copies = ShardCopies(every=2)
@@ -142,7 +134,7 @@ def _process(proc: int, port: int, out: str) -> None:
         torch.manual_seed(5)
         fresh = ShardedTraining(_model().apply(lambda m: torch.nn.init.zeros_(m.weight)
                                                if isinstance(m, nn.Linear) else None),
-                                parallelize=_parallelize,
+                                parallelize=shard_linear_layers,
                                 optimizer=lambda params: torch.optim.Adam(params, lr=1e-2))
         fresh.install(fresh.build(torch.device("cpu"), 2))
         with CheckpointManager(f"{out}.ckpt", process_group=dist.group.WORLD) as mgr:

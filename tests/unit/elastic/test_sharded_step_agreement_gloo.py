@@ -27,19 +27,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from tests.support.sharding import shard_linear_layers
+
 pytestmark = pytest.mark.slow
 
 _VICTIM = 3
-
-
-def _parallelize(model: nn.Module, mesh: Any) -> nn.Module:
-    from torch.distributed.fsdp import fully_shard
-
-    for layer in model:
-        if isinstance(layer, nn.Linear):
-            fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return model
 
 
 def _process(rank: int, port: int, agree: bool, out: str) -> None:
@@ -53,8 +45,8 @@ def _process(rank: int, port: int, agree: bool, out: str) -> None:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     replicas = mesh.get_group("replicate")
     torch.manual_seed(0)
-    model = _parallelize(nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(),
-                                       nn.Linear(8, 1)).double(), mesh)
+    model = shard_linear_layers(nn.Sequential(
+        nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1)).double(), mesh)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     if agree:
         optimizer.register_step_pre_hook(world_agreement_hook(
