@@ -205,7 +205,7 @@ class NodeAgent:
             self._wake.set()
 
     def _on_hello(self, connection: WorkerConnection, slot: Slot, _: Hello) -> bool:
-        slot.connected = True
+        slot.connected, slot.connected_at = True, time.monotonic()
         run = self._run
         end = run.view.end() if run is not None else None
         connection.send(Welcome(

@@ -53,6 +53,7 @@ class Slot:
         started_for: The world its process was started for (restart mode).
         report: What its process said it died of (or that it drained).
         connected: Its process said hello on the channel (it reached ``elastic.init()``).
+        connected_at: ``time.monotonic()`` of that hello (``None``: not yet).
         step: The last step its process completed.
         waiting: ``{"epoch", "step"}`` while its process waits past the hang threshold.
         finished: Its process exited 0.
@@ -68,6 +69,7 @@ class Slot:
     started_for: WorldRecord | None = None
     report: dict[str, Any] | None = None
     connected: bool = False
+    connected_at: float | None = None
     step: int = -1
     waiting: dict[str, Any] | None = None
     finished: bool = False
@@ -91,5 +93,6 @@ class Slot:
         self.inplace = False
         self.report = None
         self.connected = False
+        self.connected_at = None
         self.waiting = None
         self.started_for = None

@@ -9,7 +9,9 @@ socket. Starting a worker of that slot hands the world to it instead (its full e
 and the worker command's arguments); it then runs the script as ``__main__`` exactly as
 :mod:`launch.worker_guard` would, in the same process. A replacement standby starts a few
 seconds later (``refill_delay``), so that its imports do not compete with the restarted
-workers for the CPU.
+workers for the CPU; 10 s after handing over a standby that was still importing, and not
+while a worker that said hello may still declare that it reconfigures in place
+(:meth:`launch.supervisor.Supervisor.tick_standbys`), which drops the standbys.
 
 What a standby holds, and what it must not:
 
@@ -51,14 +53,14 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
 from elastic import env
 
-__all__ = ["COMM_NAME", "DEFAULT_PRELOAD", "WARMING_NAME", "WORLD_KEYS", "StandbyPool",
-           "is_standby", "standby_state"]
+__all__ = ["COMM_NAME", "DEFAULT_PRELOAD", "REFILL_AFTER_IMPORTING_S", "WARMING_NAME",
+           "WORLD_KEYS", "StandbyPool", "is_standby", "standby_state"]
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +82,8 @@ WORLD_KEYS: Final = frozenset({
 })
 #: Seconds after a hand-over before the slot's next standby starts.
 DEFAULT_REFILL_DELAY_S: Final = 3.0
+#: The refill delay after handing over a standby that was still importing.
+REFILL_AFTER_IMPORTING_S: Final = 10.0
 #: A standby that died before it was used is replaced after this long at the soonest.
 _RESPAWN_AFTER_DEATH_S: Final = 10.0
 _READY: Final = b"ready\n"
@@ -167,8 +171,9 @@ class StandbyPool:
         """The standbys' process ids."""
         return [s.proc.pid for s in self._standbys.values()]
 
-    def tick(self, now: float | None = None) -> None:
-        """Reaps standbys that died and starts those that are due (the agent's main loop)."""
+    def tick(self, now: float | None = None, hold: Collection[int] = ()) -> None:
+        """Reaps standbys that died and starts those that are due (the agent's main loop),
+        except those of the slots in ``hold``."""
         now = time.monotonic() if now is None else now
         for local_rank, standby in list(self._standbys.items()):
             code = standby.proc.poll()
@@ -183,7 +188,7 @@ class StandbyPool:
         if self._disabled is not None:
             return
         for local_rank, due in self._due.items():
-            if local_rank not in self._standbys and now >= due:
+            if local_rank not in self._standbys and now >= due and local_rank not in hold:
                 self._spawn(local_rank, now)
 
     def take(self, local_rank: int, full_env: Mapping[str, str],
@@ -224,11 +229,15 @@ class StandbyPool:
             return None
         standby.link.close()
         del self._standbys[local_rank]
-        self._due[local_rank] = time.monotonic() + self._refill_delay
+        ready = standby.poll_answer() == _READY
+        # A standby still importing (a node's first start) becomes a worker that says hello,
+        # and may declare in place, only once its imports are done: its slot's next standby
+        # waits longer, so that it is not started just to be dropped then.
+        self._due[local_rank] = time.monotonic() + (
+            self._refill_delay if ready else max(self._refill_delay, REFILL_AFTER_IMPORTING_S))
         self.handed_over += 1
         logger.info("worker slot %d starts in its warm standby (pid %d, %s)", local_rank,
-                    standby.proc.pid, "ready" if standby.poll_answer() == _READY
-                    else "still importing")
+                    standby.proc.pid, "ready" if ready else "still importing")
         return standby.proc
 
     def close(self) -> None:

@@ -41,6 +41,10 @@ logger = logging.getLogger(__name__)
 #: heartbeat comes every 0.5 s; a stop shorter than this is forgiven).
 FROZEN_AFTER_S: Final = 0.6
 
+#: After a worker's hello, how long its slot's next standby waits for the worker to declare
+#: that it reconfigures in place (which drops the standbys).
+STANDBY_HOLD_AFTER_HELLO_S: Final = 10.0
+
 
 class Supervisor:
     """The node's worker slots and their processes.
@@ -226,7 +230,8 @@ class Supervisor:
         unless ``standby_in_place``."""
         if self.standby is None:
             return
-        if not self.config.standby_in_place and any(s.inplace for s in self.slots):
+        in_place_allowed = self.config.standby_in_place
+        if not in_place_allowed and any(s.inplace for s in self.slots):
             # In place only a crashed worker restarts, and the survivors train on without
             # waiting for it: a standby would hold its memory, and spend its imports' CPU
             # beside the training after every replacement, for nothing the survivors feel.
@@ -235,7 +240,22 @@ class Supervisor:
             logger.info("this node's workers reconfigure in place: no warm standbys kept "
                         "(--warm-standby on keeps them)")
             return
-        self.standby.tick()
+        self.standby.tick(hold=() if in_place_allowed else self._may_declare_in_place())
+
+    def _may_declare_in_place(self) -> list[int]:
+        """The slots whose worker said hello within ``STANDBY_HOLD_AFTER_HELLO_S`` and has not
+        declared in place: no refill of their standbys yet. An ``ElasticLoop`` script says
+        hello at ``elastic.init()`` and declares when its loop is built, seconds later; a
+        standby refilled meanwhile would import torch beside it only to be dropped then (one
+        wasted interpreter per slot of every in-place node). Under ``--elastic-mode
+        restart`` no worker reconfigures in place, and nothing is held."""
+        if self.config.mode == "restart":
+            return []
+        now = time.monotonic()
+        return [slot.local_rank for slot in self.slots
+                if slot.process is not None and slot.process.exit_code() is None
+                and not slot.inplace and slot.connected_at is not None
+                and now - slot.connected_at < STANDBY_HOLD_AFTER_HELLO_S]
 
     def close_standbys(self) -> None:
         """Kills the standbys (the agent is leaving)."""

@@ -11,6 +11,7 @@ import socket
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -18,7 +19,7 @@ from elastic.eventlog import EventLog
 from launch.agent_config import AgentConfig
 from launch.channel import WorkerConnection
 from launch.slots import SlotProcess, WorkerCommand
-from launch.supervisor import FROZEN_AFTER_S, Supervisor
+from launch.supervisor import FROZEN_AFTER_S, STANDBY_HOLD_AFTER_HELLO_S, Supervisor
 
 TTL = 3.0
 
@@ -116,3 +117,66 @@ def test_auto_drops_the_warm_standbys_once_the_workers_reconfigure_in_place(
         if made.standby is not None:
             made.standby.close()
         made.kill_all()
+
+
+@pytest.mark.parametrize("mode", ["auto", "restart"])
+def test_a_slots_next_standby_waits_while_a_worker_that_said_hello_may_declare_in_place(
+    tmp_path: Path, mode: str,
+) -> None:
+    """After a hand-over, the slot's next standby does not start for
+    ``STANDBY_HOLD_AFTER_HELLO_S`` after its worker's hello, unless the worker declared in
+    place first (which drops the standbys: a refill meanwhile imports torch for nothing).
+    Under ``--elastic-mode restart`` nothing reconfigures in place and nothing is held."""
+    script = tmp_path / "train.py"
+    script.write_text("import time\ntime.sleep(60)\n")
+    config = AgentConfig(job_id="j", key_prefix="/e", min_nodes=1, max_nodes=1,
+                         nproc_per_node=1, addr="127.0.0.1", ttl=int(TTL), warm_standby=True,
+                         mode=mode)
+    command = WorkerCommand((sys.executable, "-u", "-m", "launch.worker_guard", str(script)),
+                            dict(os.environ))
+    made = Supervisor(config, command, EventLog(None, job="j", source="test"),
+                      node=lambda: "n0", channel_path=lambda: "/nonexistent",
+                      may_start=lambda: True)
+    try:
+        assert made.standby is not None
+        made.standby._refill_delay = 0.0  # the hold alone decides here
+        made.tick_standbys()
+        (first,) = made.standby.pids()
+        worker = _started(made, 0)
+        assert worker.pid == first and made.standby.handed_over == 1
+        made.standby._due[0] = 0.0  # whether the standby had finished importing or not
+        slot = made.slots[0]
+        slot.connected, slot.connected_at = True, time.monotonic()  # its hello
+        made.tick_standbys()
+        if mode == "restart":
+            assert len(made.standby.pids()) == 1
+            return
+        assert made.standby.pids() == [], "refilled while the worker may declare in place"
+        slot.connected_at = time.monotonic() - STANDBY_HOLD_AFTER_HELLO_S - 0.1
+        made.tick_standbys()
+        (refilled,) = made.standby.pids()
+        assert refilled != first
+    finally:
+        if made.standby is not None:
+            made.standby.close()
+        made.kill_all()
+
+
+def test_a_standby_handed_over_while_importing_is_refilled_later() -> None:
+    """The slot's next standby is due ``refill_delay`` after handing over a ready standby,
+    and ``REFILL_AFTER_IMPORTING_S`` after one still importing (its worker says hello only
+    once its imports are done)."""
+    from launch.standby import DEFAULT_REFILL_DELAY_S, REFILL_AFTER_IMPORTING_S, StandbyPool
+
+    assert REFILL_AFTER_IMPORTING_S > DEFAULT_REFILL_DELAY_S
+    pool = StandbyPool(sys.executable, 1, lambda _rank: dict(os.environ))
+    try:
+        pool.tick()
+        argv = (sys.executable, "-u", "-m", "launch.worker_guard", "-c", "pass")
+        before = time.monotonic()
+        proc = pool.take(0, dict(os.environ), argv)  # at once: the standby still imports
+        assert proc is not None
+        assert pool._due[0] - before >= REFILL_AFTER_IMPORTING_S - 0.5
+        proc.kill()
+    finally:
+        pool.close()
