@@ -227,9 +227,9 @@ class StandbyPool:
                            "starting the worker cold", local_rank, exc)
             self._drop(local_rank)
             return None
+        ready = standby.poll_answer() == _READY  # before the close: it may be unread yet
         standby.link.close()
         del self._standbys[local_rank]
-        ready = standby.poll_answer() == _READY
         # A standby still importing (a node's first start) becomes a worker that says hello,
         # and may declare in place, only once its imports are done: its slot's next standby
         # waits longer, so that it is not started just to be dropped then.
