@@ -217,6 +217,8 @@ class StandbyPool:
             self._drop(local_rank)
             self._due[local_rank] = 0.0
             return None
+        # Read now, while the socket does not block: the answer may not have been read yet.
+        ready = standby.poll_answer() == _READY
         message = json.dumps({"env": dict(full_env), "argv": target,
                               "sent_at": time.time()}).encode() + b"\n"
         try:
@@ -227,7 +229,6 @@ class StandbyPool:
                            "starting the worker cold", local_rank, exc)
             self._drop(local_rank)
             return None
-        ready = standby.poll_answer() == _READY  # before the close: it may be unread yet
         standby.link.close()
         del self._standbys[local_rank]
         # A standby still importing (a node's first start) becomes a worker that says hello,
