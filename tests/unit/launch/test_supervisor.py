@@ -12,6 +12,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -82,20 +83,25 @@ def test_a_running_worker_with_a_late_heartbeat_keeps_its_process_until_the_ttl(
     assert busy.proc.wait(5) == -signal.SIGKILL
 
 
+def _with_standbys(script: str, **settings: Any) -> Supervisor:
+    """A one-slot supervisor that keeps warm standbys, its workers running ``script``."""
+    config = AgentConfig(job_id="j", key_prefix="/e", min_nodes=1, max_nodes=1,
+                         nproc_per_node=1, addr="127.0.0.1", ttl=int(TTL), warm_standby=True,
+                         **settings)
+    command = WorkerCommand((sys.executable, "-u", "-m", "launch.worker_guard", script),
+                            dict(os.environ))
+    return Supervisor(config, command, EventLog(None, job="j", source="test"),
+                      node=lambda: "n0", channel_path=lambda: "/nonexistent",
+                      may_start=lambda: True)
+
+
 @pytest.mark.parametrize("in_place", [False, True], ids=["auto", "on"])
 def test_auto_drops_the_warm_standbys_once_the_workers_reconfigure_in_place(
     in_place: bool,
 ) -> None:
     """``--warm-standby auto`` keeps a standby per slot while the workers restart, and kills
     them once a worker declared that it reconfigures in place; ``on`` keeps them."""
-    config = AgentConfig(job_id="j", key_prefix="/e", min_nodes=1, max_nodes=1,
-                         nproc_per_node=1, addr="127.0.0.1", ttl=int(TTL), warm_standby=True,
-                         standby_in_place=in_place)
-    command = WorkerCommand((sys.executable, "-u", "-m", "launch.worker_guard", "train.py"),
-                            dict(os.environ))
-    made = Supervisor(config, command, EventLog(None, job="j", source="test"),
-                      node=lambda: "n0", channel_path=lambda: "/nonexistent",
-                      may_start=lambda: True)
+    made = _with_standbys("train.py", standby_in_place=in_place)
     try:
         assert made.standby is not None
         made.tick_standbys()
@@ -129,14 +135,7 @@ def test_a_slots_next_standby_waits_while_a_worker_that_said_hello_may_declare_i
     Under ``--elastic-mode restart`` nothing reconfigures in place and nothing is held."""
     script = tmp_path / "train.py"
     script.write_text("import time\ntime.sleep(60)\n")
-    config = AgentConfig(job_id="j", key_prefix="/e", min_nodes=1, max_nodes=1,
-                         nproc_per_node=1, addr="127.0.0.1", ttl=int(TTL), warm_standby=True,
-                         mode=mode)
-    command = WorkerCommand((sys.executable, "-u", "-m", "launch.worker_guard", str(script)),
-                            dict(os.environ))
-    made = Supervisor(config, command, EventLog(None, job="j", source="test"),
-                      node=lambda: "n0", channel_path=lambda: "/nonexistent",
-                      may_start=lambda: True)
+    made = _with_standbys(str(script), mode=mode)
     try:
         assert made.standby is not None
         made.standby._refill_delay = 0.0  # the hold alone decides here
