@@ -230,8 +230,8 @@ class Supervisor:
         unless ``standby_in_place``."""
         if self.standby is None:
             return
-        in_place_allowed = self.config.standby_in_place
-        if not in_place_allowed and any(s.inplace for s in self.slots):
+        keep_in_place = self.config.standby_in_place
+        if not keep_in_place and any(s.inplace for s in self.slots):
             # In place only a crashed worker restarts, and the survivors train on without
             # waiting for it: a standby would hold its memory, and spend its imports' CPU
             # beside the training after every replacement, for nothing the survivors feel.
@@ -240,7 +240,7 @@ class Supervisor:
             logger.info("this node's workers reconfigure in place: no warm standbys kept "
                         "(--warm-standby on keeps them)")
             return
-        self.standby.tick(hold=() if in_place_allowed else self._may_declare_in_place())
+        self.standby.tick(hold=() if keep_in_place else self._may_declare_in_place())
 
     def _may_declare_in_place(self) -> list[int]:
         """The slots whose worker said hello within ``STANDBY_HOLD_AFTER_HELLO_S`` and has not
