@@ -20,7 +20,11 @@ caused it), and one second after every other node of its world answered a livene
 worker's report, or the last line of its standard error when it died before it could report,
 such as an unknown flag or an ImportError) is kept for the leader's "script bug" rule
 (:func:`~membership.proposal.common_failure`), which ends the job when every node's workers
-died of the same error at the same step.
+died of the same error at the same step. An error of a type a dead peer causes (a collective's
+``RuntimeError``) counts there as the workers' own only once every other node of their world
+answers a liveness probe: a node killed whole makes its survivors die of one error text at
+one step, and a world written meanwhile may name only the survivors' restarted workers as
+lost (a chaos campaign and CI ended a healthy job so).
 """
 
 from __future__ import annotations
@@ -64,13 +68,15 @@ class FailureJudge:
         still_connected: Whether the channel still has an open connection from a process.
         broadcast: Sends a message to this node's workers.
         wake: Wakes the agent's main loop.
+        publish: Asks the agent's main loop to write this node's record (any thread).
     """
 
     def __init__(self, config: AgentConfig, supervisor: Supervisor, evictor: PeerEvictor,
                  events: EventLog, *, node: Callable[[], str],
                  run: Callable[[], RunMembership | None],
                  still_connected: Callable[[SlotProcess], bool],
-                 broadcast: Callable[[Gone], None], wake: Callable[[], None]) -> None:
+                 broadcast: Callable[[Gone], None], wake: Callable[[], None],
+                 publish: Callable[[], None]) -> None:
         self.config = config
         self.budget = config.budget
         self._supervisor = supervisor
@@ -81,6 +87,7 @@ class FailureJudge:
         self._still_connected = still_connected
         self._broadcast = broadcast
         self._wake = wake
+        self._publish = publish
         #: The last error this node's workers died of (published for the leader).
         self.failure_note: dict[str, Any] | None = None
         #: Crashes charged so far (published).
@@ -121,13 +128,7 @@ class FailureJudge:
         error still counts (every worker dying of it ends the job at once)."""
         report = slot.report or {}
         if report.get("before_stop") and report.get("error"):
-            # The restart was for a world that names lost a peer of its world whose node is
-            # gone (a node killed): its survivors all die of that loss with one error text, at
-            # one step, which is no evidence of a bug in the script (two campaigns ended so).
-            # Peers of live nodes that failed too are the same failure as this one: a script
-            # that raises on every rank must still end the job at once.
-            node_lost = self._node_lost_since(slot.started_for)
-            self.note(report, own=report.get("peer_type") is False or not node_lost)
+            self._note_failure(report, slot.started_for)
             logger.warning("worker %s failed (%s) as this node restarted its workers",
                            slot.local_id, report.get("error"))
 
@@ -257,14 +258,9 @@ class FailureJudge:
             # 2 s, ... (the budget's series, one step later).
             delay = 0.0 if cause != "crash" or self.budget.recent() <= 1 else delay / 2
         if cause != "stopped":
-            # A peer's failure is no evidence of a bug in the script when that peer's node is
-            # gone (its survivors all die of the loss with one error text). When the lost
-            # peers were workers of live nodes, it is the same failure as this one: a script
-            # that raises on every rank at once shows each node the others' deaths first,
-            # and must still end the job at once (as restart mode's rule above).
-            own = cause == "crash" or (cause == "peer_failure" and not failure.peer_node_dead
-                                       and not self._node_lost_since(failure.world))
-            self.note(report, own=own)
+            # A partition cut this node off: its workers' errors are no evidence of a bug.
+            self._note_failure(report, failure.world, peer_node_dead=failure.peer_node_dead,
+                               partitioned=cause == "partition")
             logger.warning("worker %s failed (exit code %s, %s: %s); restarting %s in %.1f s",
                            slot.local_id, code, cause, report.get("error", "no report"),
                            "it in place" if in_place else "this node's workers", delay)
@@ -295,11 +291,50 @@ class FailureJudge:
         report = dict(slot.report or {})
         if not report.get("error") and failure.process.last_error_line:
             report["error"] = failure.process.last_error_line
-        node_lost = self._node_lost_since(failure.world)
-        self.note(report, own=report.get("peer_type") is False or not node_lost)
+        self._note_failure(report, failure.world, peer_node_dead=failure.peer_node_dead)
         logger.warning("worker %s failed (exit code %s: %s) in the world this node's workers "
                        "now restart from", slot.local_id, failure.code,
                        report.get("error", "no report"))
+
+    def _note_failure(self, report: Mapping[str, Any], world: WorldRecord | None, *,
+                      peer_node_dead: bool = False, partitioned: bool = False) -> None:
+        """Notes ``report``'s error for the leader's "script bug" rule, as the workers' own or
+        not (see :meth:`note`).
+
+        An error no dead peer causes is their own. One a dead peer causes (``peer_type``) is
+        not when this node was cut off, another node of ``world`` was found dead, or a newer
+        world names one lost with its node. Otherwise it is their own only if every other
+        node of ``world`` answers a liveness probe, taken on a thread: a script that raises
+        on every rank at once must still end the job, and each node sees the others' workers
+        lost first; but a node killed whole takes its lease TTL to leave the records, and a
+        world written meanwhile names only the survivors' workers lost, for they died first.
+        """
+        if not report.get("error"):
+            return
+        if report.get("peer_type") is False:
+            self.note(report, own=True)
+        elif partitioned or peer_node_dead or self._node_lost_since(world):
+            self.note(report, own=False)
+        elif world is None or not self._other_nodes(world):
+            self.note(report, own=True)  # no peer of another node could have caused it
+        else:
+            threading.Thread(target=self._probe_then_note, args=(dict(report), world),
+                             daemon=True, name="elastic-probe-failure").start()
+
+    def _probe_then_note(self, report: dict[str, Any], world: WorldRecord) -> None:
+        """:meth:`_note_failure`'s probe: evicts the dead nodes of ``world`` (as a worker's
+        suspicion would), and notes the error as the workers' own only if all answer."""
+        others = self._other_nodes(world)
+        try:
+            own = (not self._evictor.check(others, world)
+                   and self._evictor.all_answer(others, world)
+                   and not self._node_lost_since(world))
+        except Exception:  # a probe that cannot be taken proves nothing: not their own
+            logger.debug("could not probe the failed world's nodes", exc_info=True)
+            own = False
+        with self._supervisor.lock:
+            self.note(report, own=own)
+        self._publish()
 
     def note(self, report: Mapping[str, Any], *, own: bool = True) -> None:
         """Keeps the last error this node's workers died of for the leader's "script bug"

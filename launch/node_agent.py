@@ -116,7 +116,8 @@ class NodeAgent:
         self._judge = FailureJudge(config, self._supervisor, self._evictor, events,
                                    node=lambda: self._node, run=lambda: self._run,
                                    still_connected=self._still_connected,
-                                   broadcast=self._channel.broadcast, wake=self._wake.set)
+                                   broadcast=self._channel.broadcast, wake=self._wake.set,
+                                   publish=self._request_publish)
         supervisor, evictor = self._supervisor, self._evictor
         #: Each message kind a worker sends, and the part that acts on it.
         self._handlers: dict[type[Any], _Handler] = {
@@ -198,11 +199,15 @@ class NodeAgent:
                 return
             publish = handler(connection, slot, message)
         if publish:
-            # The main loop writes it: a put may wait out the etcd deadline (a node cut off),
-            # and this thread must go on reading the worker's heartbeats meanwhile (a healthy
-            # worker was replaced as silent while its channel thread waited on etcd).
-            self._publish_due.set()
-            self._wake.set()
+            self._request_publish()
+
+    def _request_publish(self) -> None:
+        """Asks the main loop to write this node's record (any thread)."""
+        # The main loop writes it: a put may wait out the etcd deadline (a node cut off), and
+        # the asking thread must go on meanwhile (a healthy worker was replaced as silent
+        # while its channel thread waited on etcd).
+        self._publish_due.set()
+        self._wake.set()
 
     def _on_hello(self, connection: WorkerConnection, slot: Slot, _: Hello) -> bool:
         slot.connected, slot.connected_at = True, time.monotonic()
