@@ -502,11 +502,13 @@ def loop_rows(data: dict[str, Any], stdout: str = "") -> list[Row]:
 def sharded_rows(data: dict[str, Any], stdout: str = "") -> list[Row]:
     """Rows of ``sharded_recovery.py --json`` (lists of one figure per run, see its
     docstring): FSDP2 recovery in place against the restart path as the issue set it (a cold
-    restart and a DCP load from storage, ``restart-cold``), goal <= 0.2x, with the time to
-    resume alone and the steps lost; the same against today's default restart path (warm
-    standbys, the checkpoint's copy in memory), without a goal; the step time with the peer
-    copies on against off (``redundancy=0``), goal <= 1.01x. Medians over the runs. A JSON of
-    an older script, whose ``restart`` was the cold path, reads as ``restart-cold``."""
+    restart and a DCP load from storage, ``restart-cold``), goal <= 0.2x on the stall (the
+    next step completed, less one step of the world it ran in; on the time to the next step
+    completed for a JSON without it), with the time to resume alone and the steps lost; the
+    same against today's default restart path (warm standbys, the checkpoint's copy in
+    memory), without a goal; the step time with the peer copies on against off
+    (``redundancy=0``), goal <= 1.01x. Medians over the runs. A JSON of an older script,
+    whose ``restart`` was the cold path, reads as ``restart-cold``."""
     del stdout
     rows = []
     size = f"{float(data.get('state_mb', 0)):.0f} MB params + Adam, 6 workers"
@@ -519,11 +521,23 @@ def sharded_rows(data: dict[str, Any], stdout: str = "") -> list[Row]:
         restart = _median(data.get(f"{key}_s", []))
         if inplace is None or restart is None:
             continue
+        stall_in = _median(data.get("inplace_stall_s", []))
+        stall_re = _median(data.get(f"{key}_stall_s", []))
+        # The goal is judged on the stall when the JSON has it (the in-place world is smaller,
+        # so its next step is longer whatever the recovery costs; see the script).
+        on_stall = goal and stall_in is not None and stall_re is not None
         row = Row("sharded", f"FSDP2 recovery, worker SIGKILL to next step completed, {size}",
                   inplace, restart, name,
-                  goal=f"<= {SHARDED_RECOVERY_GOAL:g}x restart" if goal else "")
+                  goal=f"<= {SHARDED_RECOVERY_GOAL:g}x restart" if goal and not on_stall
+                  else "")
+        rows.append(_with_met(row, _at_most(row.ratio, SHARDED_RECOVERY_GOAL))
+                    if goal and not on_stall else row)
+        if on_stall:
+            stall = Row("sharded", "FSDP2 recovery stall: next step completed less one step "
+                        "of the world it ran in", stall_in, stall_re, name,
+                        goal=f"<= {SHARDED_RECOVERY_GOAL:g}x restart")
+            rows.append(_with_met(stall, _at_most(stall.ratio, SHARDED_RECOVERY_GOAL)))
         rows += [
-            _with_met(row, _at_most(row.ratio, SHARDED_RECOVERY_GOAL)) if goal else row,
             Row("sharded", "FSDP2 recovery, worker SIGKILL to next step started",
                 _median(data.get("inplace_resumed_s", [])),
                 _median(data.get(f"{key}_resumed_s", [])), name),

@@ -24,9 +24,13 @@ layer, with Adam: at the defaults 18.9 M parameters, 226 MB of parameters and Ad
    defaults: the workers restart in warm standbys and read the checkpoint's copy in host
    memory; shown, no goal).
 
-Both recoveries include that first step's compute; the table also gives, for each, the time
-from the kill to the moment that step starts (the heal or the restart and load alone), from
-the ``<out>.starts`` log each worker writes at the start of every step.
+Both recoveries include that first step's compute, and the worlds differ: in place the
+survivors train on as 5 ranks, each with a larger share of the fixed global batch (two
+micro-batches instead of one), while the restarted job is 6 ranks again. So the goal is
+judged on the *stall*: the time to the next step completed, less the step time of the world
+that step ran in (the median of its next steps). The table also gives the time from the
+kill to the moment that step starts (the heal, or the restart and load alone), from the
+``<out>.starts`` log each worker writes at the start of every step.
 
 Prints the load average, a Markdown table with the ratios and goals, and each worker's
 copy statistics (refreshes, what one costs, the cadence chosen). ``--json`` writes it all.
@@ -43,6 +47,7 @@ import contextlib
 import itertools
 import json
 import logging
+import math
 import os
 import statistics
 import subprocess
@@ -281,8 +286,9 @@ def recovery(args: argparse.Namespace, endpoint: str, workdir: Path, mode: str,
                                        args.timeout) is None:
             raise RuntimeError(f"job {name} committed no checkpoint; see {workdir}")
         node0 = set(_children(job.agents[0].pid))
-        victim = _children(job.agents[1].pid)[0]
         before = _rows(job.out)
+        # A worker that trains (with --warm-standby on, some children are idle standbys).
+        victim = next(p for p in _children(job.agents[1].pid) if p in {r.pid for r in before})
         old = {(r.pid, r.gen) for r in before}
         reached = max(r.step for r in before)
         t_kill = time.time()
@@ -295,9 +301,29 @@ def recovery(args: argparse.Namespace, endpoint: str, workdir: Path, mode: str,
         resumed = min((r.t for r in _rows(_starts(job.out))
                        if r.t > t_kill and r.gen == row.gen and r.pid == row.pid), default=row.t)
         return {"recovery_s": row.t - t_kill, "resumed_s": resumed - t_kill,
-                "steps_lost": max(0, reached - (row.step - 1))}
+                "steps_lost": max(0, reached - (row.step - 1)),
+                "next_world_step_s": _steady_step(job.out, row)}
     finally:
         job.stop()
+
+
+def _steady_step(out: Path, first: Row, steps: int = 2, timeout: float = 30.0) -> float:
+    """The step time of the world that recovered, after its first step (``first``): in place
+    that world is smaller (5 ranks, each with a larger share of the fixed global batch, in
+    more micro-batches), so its first step is longer than the old world's steps whatever
+    the recovery costs. The median of up to ``steps`` steps, until the world changes again
+    (the replacement joins) or ``timeout``; NaN if none came."""
+    def later() -> list[Row]:
+        return sorted((r for r in _rows(out) if r.pid == first.pid and r.gen == first.gen
+                       and r.step > first.step), key=lambda r: r.step)
+    deadline = time.monotonic() + timeout
+    while len(later()) < steps and time.monotonic() < deadline:
+        if any(r.gen > first.gen for r in _rows(out)):
+            break
+        time.sleep(0.05)
+    rows = [first, *later()[:steps]]
+    gaps = [b.t - a.t for a, b in itertools.pairwise(rows) if b.step == a.step + 1]
+    return statistics.median(gaps) if gaps else math.nan
 
 
 def copies_share(stats: list[dict[str, Any]], step_s: float,
@@ -317,6 +343,10 @@ def report(result: dict[str, Any]) -> str:
     def med(key: str) -> float:
         return statistics.median(result[key])
 
+    def finite_med(key: str) -> float:
+        values = [v for v in result.get(key, []) if math.isfinite(v)]
+        return statistics.median(values) if values else math.nan
+
     lines = [
         f"load average: {result['load']}",
         "",
@@ -330,14 +360,24 @@ def report(result: dict[str, Any]) -> str:
             continue
         inplace, restart = med("inplace_s"), med(f"{key}_s")
         resumed, restarted = med("inplace_resumed_s"), med(f"{key}_resumed_s")
-        met = f"{'yes' if inplace / restart <= RECOVERY_GOAL else 'no'}" if goal else ""
+        step_in, step_re = finite_med("inplace_next_step_s"), finite_med(f"{key}_next_step_s")
+        stall_in, stall_re = finite_med("inplace_stall_s"), finite_med(f"{key}_stall_s")
         lines += [
-            f"| recovery from a worker SIGKILL (s) | {inplace:.2f} | {restart:.2f} ({label}) | "
-            f"{inplace / restart:.3f} | {f'<= {RECOVERY_GOAL}' if goal else ''} | {met} |",
+            f"| kill to the next step completed (s) | {inplace:.2f} | {restart:.2f} ({label}) "
+            f"| {inplace / restart:.3f} | | |",
             f"| of which: kill to training resumed (s) | {resumed:.2f} | {restarted:.2f} | "
             f"{resumed / restarted:.3f} | | |",
-            f"| steps lost | {med('inplace_lost'):.0f} | {med(f'{key}_lost'):.0f} | | | |",
+            f"| step time of the world after the fault (s) | {step_in:.2f} (5 ranks) | "
+            f"{step_re:.2f} (6 ranks) | | | |",
         ]
+        if goal:
+            met = "yes" if stall_re and stall_in / stall_re <= RECOVERY_GOAL else "no"
+            lines.append(
+                f"| **recovery: the next step completed, less one step of that world** (s) | "
+                f"{stall_in:.2f} | {stall_re:.2f} | {stall_in / stall_re:.3f} | "
+                f"<= {RECOVERY_GOAL} | {met} |")
+        lines.append(f"| steps lost | {med('inplace_lost'):.0f} | {med(f'{key}_lost'):.0f} "
+                     "| | | |")
     if result["step_on_s"] and result["step_off_s"]:
         on, off = med("step_on_s"), med("step_off_s")
         lines.append(f"| step time (s) | {on:.3f} | {off:.3f} (redundancy=0) | {on / off:.4f} | "
@@ -401,7 +441,7 @@ def main(argv: list[str] | None = None) -> int:
         "step_on_s": [], "step_off_s": [], "inplace_s": [], "inplace_lost": [],
         "copy_stats": [],
         **{f"{key}{suffix}": [] for key, _, _ in RECOVERIES
-           for suffix in ("_s", "_lost", "_resumed_s")}}
+           for suffix in ("_s", "_lost", "_resumed_s", "_next_step_s", "_stall_s")}}
     etcd, endpoint = _start_etcd(workdir)
     try:
         for run in range(args.runs):
@@ -420,6 +460,11 @@ def main(argv: list[str] | None = None) -> int:
                 result[f"{key}_s"].append(measured["recovery_s"])
                 result[f"{key}_resumed_s"].append(measured["resumed_s"])
                 result[f"{key}_lost"].append(measured["steps_lost"])
+                result[f"{key}_next_step_s"].append(measured["next_world_step_s"])
+                # The stall: what the fault cost beyond one step of the world it trains in
+                # now (NaN when that world took no second step before it changed again).
+                result[f"{key}_stall_s"].append(
+                    measured["recovery_s"] - measured["next_world_step_s"])
             print(f"run {run}: " + json.dumps({k: v[-1] for k, v in result.items()
                                                if isinstance(v, list) and v
                                                and k != "copy_stats"}), flush=True)
