@@ -137,10 +137,13 @@ def test_sigterm_on_one_rank_drains_every_rank_with_a_final_checkpoint(tmp_path:
         "--interval", str(INTERVAL), "--global-batch", str(GLOBAL_BATCH),
         "--dataset-size", str(DATASET),
     ]
-    first = run_attempt(2, *args, "--steps", "30", "--term-at", "7", "--term-rank", "0")
+    first = run_attempt(2, *args, "--steps", "30", "--term-at", "7", "--term-rank", "0",
+                        "--step-time", "0.02")
     # SIGTERM lands in step 7; every rank agrees on it at the same later step (the agreement
     # is an asynchronous all-reduce, about one every 50 ms when steps are short, read at the
-    # next one), drains there with a final checkpoint, and stops well before the end.
+    # next one), drains there with a final checkpoint, and stops well before the end. Each
+    # step takes at least 20 ms: steps of a few ms (a quiet machine) ran all 23 remaining
+    # steps before an agreement came, and the job ended undrained (a CI rehearsal).
     stops = {int(rank): int(step) for rank, step in re.findall(
         r"rank=(\d) stopped at step (\d+) drained=True", first.output)}
     assert set(stops) == {0, 1} and stops[0] == stops[1], first.output[-3000:]
