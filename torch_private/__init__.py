@@ -58,7 +58,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.tensor
 from torch._C._distributed_c10d import HashStore, PrefixStore, Store, TCPStore
 
 if TYPE_CHECKING:
@@ -189,7 +188,11 @@ def clear_dtensor_caches() -> list[str]:
     tensors would carry a mesh whose coordinate is this process's rank in the old world.
     Within one process torch assumes a rank never changes; in place it does.
     """
-    propagator = getattr(getattr(torch.distributed.tensor.DTensor, "_op_dispatcher", None),
+    # Imported here: DTensor pulls in sympy and torch.fx, about 0.7 CPU-seconds per
+    # process, and every agent imports this module (for its TCPStore) without needing it.
+    from torch.distributed.tensor import DTensor
+
+    propagator = getattr(getattr(DTensor, "_op_dispatcher", None),
                          "sharding_propagator", None)
     clears = {name: getattr(getattr(propagator, name, None), "cache_clear", None)
               for name in ("propagate_op_sharding", "_propagate_tensor_meta_cached")}
