@@ -55,12 +55,16 @@ def _worker_of(job: ExampleJob, agent: Agent) -> int:
 def _storage_restores(gens: list[dict[str, Any]]) -> list[tuple[int, set[int]]]:
     """The worlds that read the last checkpoint from storage after the job's first, each as
     (generation, its workers' pids): a world in which some worker's count of storage reads
-    went up (each worker of such a world reads it)."""
+    went up (each worker of such a world reads it). The first is the first world that
+    trained, not always generation 1: a node that joins while the first world of two is
+    built restarts it (restart mode, before the in-place upgrade), and its workers never
+    reach their loop."""
     loads: dict[int, int] = {}
     out: dict[int, set[int]] = {}
+    first = min((int(g["gen"]) for g in gens), default=0)
     for g in sorted(gens, key=lambda g: int(g["gen"])):
         pid, count = int(g["pid"]), int(g["storage_loads"])
-        if count > loads.get(pid, 0) and int(g["gen"]) > 1:
+        if count > loads.get(pid, 0) and int(g["gen"]) > first:
             out.setdefault(int(g["gen"]), set()).add(pid)
         loads[pid] = count
     return sorted(out.items())
