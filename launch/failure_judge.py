@@ -189,12 +189,20 @@ class FailureJudge:
         world = failure.world
         if world is None:
             return
-        others = self._other_nodes(world)
-        if self._evictor.check(others, world):
+        verdict = self._probe_world(world)
+        if verdict == "dead":
             failure.peer_node_dead = True
-        elif self._evictor.all_answer(others, world):
+        elif verdict == "alive":
             failure.peers_answered_at = time.monotonic()
         self._wake()
+
+    def _probe_world(self, world: WorldRecord) -> str:
+        """Probes the other nodes of ``world``: ``"dead"`` if one is gone (it is evicted, as a
+        worker's suspicion would), ``"alive"`` if all answer, ``"unknown"`` otherwise."""
+        others = self._other_nodes(world)
+        if self._evictor.check(others, world):
+            return "dead"
+        return "alive" if self._evictor.all_answer(others, world) else "unknown"
 
     def _peer_evidence(self, failure: PendingFailure) -> bool:
         """Whether a newer world names, as lost, a worker of another node that was in the
@@ -324,11 +332,8 @@ class FailureJudge:
     def _probe_then_note(self, report: dict[str, Any], world: WorldRecord) -> None:
         """:meth:`_note_failure`'s probe: evicts the dead nodes of ``world`` (as a worker's
         suspicion would), and notes the error as the workers' own only if all answer."""
-        others = self._other_nodes(world)
         try:
-            own = (not self._evictor.check(others, world)
-                   and self._evictor.all_answer(others, world)
-                   and not self._node_lost_since(world))
+            own = self._probe_world(world) == "alive" and not self._node_lost_since(world)
         except Exception:  # a probe that cannot be taken proves nothing: not their own
             logger.debug("could not probe the failed world's nodes", exc_info=True)
             own = False
